@@ -1,0 +1,10 @@
+"""Checkmate's shared package: what every part of the system speaks.
+
+``checkmate.wire`` is the gradient packet format (docs/protocol.md),
+``checkmate.scapy_layer`` the same format as a scapy layer for dissection and
+tests, and ``checkmate.job`` the description of a training job that the
+controller, host agents and shadows agree on. Data flows one way through the
+other packages: hosts (workers) -> switch -> shadow -> checkpoint -> restore.
+"""
+
+__version__ = "0.1.0"

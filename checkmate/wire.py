@@ -1,0 +1,266 @@
+"""The Checkmate wire format: a 32-byte header in front of a slice of a tensor.
+
+Frames are Ethernet / IPv4 / UDP (port ``CHECKMATE_UDP_PORT``) / Checkmate
+header / payload. The header is fixed-size, 4-byte aligned and big-endian
+(network order); the payload is the raw element bytes in little-endian order,
+exactly as they lie in a CPU tensor's memory. docs/protocol.md is the
+specification; p4src/shared/headers.p4 declares the same layout for the switch.
+
+This module is the only implementation of the format. It never copies a
+payload more than once: :func:`encode` makes one contiguous datagram with a
+single copy, :func:`datagram_parts` hands header and payload to
+``socket.sendmsg`` with no copy at all, and :func:`decode` returns a
+memoryview into the received buffer. Every malformed datagram raises
+:class:`WireFormatError` and nothing else, so a receive loop needs one
+``except``.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass, replace
+from typing import Final, Union
+
+CHECKMATE_UDP_PORT: Final = 48879
+"""UDP port of all Checkmate traffic (0xBEEF), source and destination."""
+
+WIRE_VERSION: Final = 1
+HEADER_BYTES: Final = 32
+UDP_HEADER_BYTES: Final = 8
+IPV4_HEADER_BYTES: Final = 20
+JUMBO_MTU: Final = 9000
+MAX_PAYLOAD_BYTES: Final = JUMBO_MTU - IPV4_HEADER_BYTES - UDP_HEADER_BYTES - HEADER_BYTES
+"""Largest payload a datagram may carry: one jumbo frame, never an IP fragment."""
+
+_HEADER = struct.Struct("!BBBBIIHHHHIII")
+assert _HEADER.size == HEADER_BYTES
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class MessageType(enum.IntEnum):
+    """What a datagram is for (header byte 1)."""
+
+    DATA = 1
+    """Elements of a gradient bucket; the only type the switch may copy."""
+    ACK = 2
+    """Receiver -> sender: ``sequence`` is the cumulative ack; payload carries SACK ranges."""
+    NACK = 3
+    """Receiver -> sender: the ranges in the payload are missing, resend them now."""
+    REPAIR_REQUEST = 4
+    """Shadow -> worker: resend ``element_count`` elements at ``element_offset``."""
+    REPAIR_DATA = 5
+    """Worker -> shadow: the answer to a repair request (never copied)."""
+
+
+class Flags(enum.IntFlag):
+    """Header byte 2. Bits not named here must be zero."""
+
+    NONE = 0
+    REPLICATE = 0x01
+    """Copy this packet to the job's shadow for ``shard_key`` (fully reduced data only)."""
+    RETRANSMIT = 0x02
+    """A retransmission; a tagged packet stays tagged when resent."""
+    LAST = 0x04
+    """Last datagram of this sender's chunk of the bucket for this iteration."""
+
+
+KNOWN_FLAGS: Final = int(Flags.REPLICATE | Flags.RETRANSMIT | Flags.LAST)
+
+
+class DType(enum.IntEnum):
+    """Element type of the payload (header byte 3)."""
+
+    NONE = 0
+    """No elements: ACK, NACK and REPAIR_REQUEST datagrams."""
+    FP32 = 1
+    BF16 = 2
+    FP16 = 3
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self]
+
+
+_ITEMSIZE: Final = {DType.NONE: 0, DType.FP32: 4, DType.BF16: 2, DType.FP16: 2}
+
+
+class WireFormatError(ValueError):
+    """A datagram that is not a valid Checkmate message; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckmateHeader:
+    """The 32-byte Checkmate header, field for field (docs/protocol.md)."""
+
+    msg_type: MessageType
+    job_id: int
+    iteration: int
+    bucket_id: int
+    sender_rank: int
+    element_offset: int
+    element_count: int
+    sequence: int
+    dtype: DType = DType.FP32
+    flags: Flags = Flags.NONE
+    shard_key: int = 0
+    version: int = WIRE_VERSION
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of payload this header announces (0 for element-less types)."""
+        if self.msg_type in _ELEMENT_TYPES:
+            return self.element_count * DType(self.dtype).itemsize
+        return 0
+
+    @property
+    def replicate(self) -> bool:
+        return bool(self.flags & Flags.REPLICATE)
+
+    def with_flags(self, flags: Flags) -> CheckmateHeader:
+        return replace(self, flags=flags)
+
+    def pack(self) -> bytes:
+        """The header's 32 bytes. Raises WireFormatError if a field does not fit."""
+        buf = bytearray(HEADER_BYTES)
+        pack_header_into(buf, 0, self)
+        return bytes(buf)
+
+
+_ELEMENT_TYPES: Final = frozenset({MessageType.DATA, MessageType.REPAIR_DATA})
+
+_FIELD_LIMITS: Final = (
+    ("job_id", 32),
+    ("iteration", 32),
+    ("bucket_id", 16),
+    ("sender_rank", 16),
+    ("shard_key", 16),
+    ("element_offset", 32),
+    ("element_count", 32),
+    ("sequence", 32),
+)
+
+
+def pack_header_into(buffer: bytearray | memoryview, offset: int, header: CheckmateHeader) -> None:
+    """Write ``header`` into ``buffer`` at ``offset`` (no allocation)."""
+    for name, bits in _FIELD_LIMITS:
+        value = getattr(header, name)
+        if not 0 <= value < (1 << bits):
+            raise WireFormatError(f"{name}={value} does not fit in {bits} bits")
+    if int(header.flags) & ~KNOWN_FLAGS:
+        raise WireFormatError(f"flags 0x{int(header.flags):02x} has unknown bits")
+    _HEADER.pack_into(
+        buffer,
+        offset,
+        header.version,
+        int(header.msg_type),
+        int(header.flags),
+        int(header.dtype),
+        header.job_id,
+        header.iteration,
+        header.bucket_id,
+        header.sender_rank,
+        header.shard_key,
+        0,
+        header.element_offset,
+        header.element_count,
+        header.sequence,
+    )
+
+
+def _check_payload(header: CheckmateHeader, payload: Buffer) -> memoryview:
+    view = memoryview(payload).cast("B")
+    if len(view) != header.payload_bytes:
+        raise WireFormatError(
+            f"payload is {len(view)} bytes but the header announces {header.payload_bytes} "
+            f"({header.element_count} x {DType(header.dtype).name})"
+        )
+    if len(view) > MAX_PAYLOAD_BYTES:
+        raise WireFormatError(f"payload of {len(view)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    return view
+
+
+def encode(header: CheckmateHeader, payload: Buffer = b"") -> bytearray:
+    """One datagram (header + payload) with exactly one copy of the payload."""
+    view = _check_payload(header, payload)
+    datagram = bytearray(HEADER_BYTES + len(view))
+    pack_header_into(datagram, 0, header)
+    datagram[HEADER_BYTES:] = view
+    return datagram
+
+
+def datagram_parts(header: CheckmateHeader, payload: Buffer = b"") -> tuple[bytes, memoryview]:
+    """Header bytes and a view of the payload, for ``socket.sendmsg`` (zero copies)."""
+    view = _check_payload(header, payload)
+    return header.pack(), view
+
+
+def decode(datagram: Buffer) -> tuple[CheckmateHeader, memoryview]:
+    """Parse one UDP payload into its header and a view of its element bytes.
+
+    Raises WireFormatError for a truncated, oversized, wrong-version or
+    inconsistent datagram; never anything else.
+    """
+    view = memoryview(datagram)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    if len(view) < HEADER_BYTES:
+        raise WireFormatError(f"truncated: {len(view)} bytes, the header alone is {HEADER_BYTES}")
+    if len(view) > HEADER_BYTES + MAX_PAYLOAD_BYTES:
+        raise WireFormatError(f"oversized: {len(view)} bytes, at most {HEADER_BYTES + MAX_PAYLOAD_BYTES}")
+    (
+        version,
+        msg_type,
+        flags,
+        dtype,
+        job_id,
+        iteration,
+        bucket_id,
+        sender_rank,
+        shard_key,
+        reserved,
+        element_offset,
+        element_count,
+        sequence,
+    ) = _HEADER.unpack_from(view, 0)
+    if version != WIRE_VERSION:
+        raise WireFormatError(f"wire version {version}, this build speaks {WIRE_VERSION}")
+    try:
+        kind = MessageType(msg_type)
+    except ValueError:
+        raise WireFormatError(f"unknown message type {msg_type}") from None
+    try:
+        element_type = DType(dtype)
+    except ValueError:
+        raise WireFormatError(f"unknown dtype {dtype}") from None
+    if flags & ~KNOWN_FLAGS:
+        raise WireFormatError(f"flags 0x{flags:02x} has unknown bits")
+    if reserved != 0:
+        raise WireFormatError(f"reserved field is 0x{reserved:04x}, must be 0")
+    header = CheckmateHeader(
+        msg_type=kind,
+        job_id=job_id,
+        iteration=iteration,
+        bucket_id=bucket_id,
+        sender_rank=sender_rank,
+        element_offset=element_offset,
+        element_count=element_count,
+        sequence=sequence,
+        dtype=element_type,
+        flags=Flags(flags),
+        shard_key=shard_key,
+        version=version,
+    )
+    payload = view[HEADER_BYTES:]
+    if kind in _ELEMENT_TYPES:
+        if element_type is DType.NONE:
+            raise WireFormatError(f"{kind.name} datagram without an element dtype")
+        if len(payload) != header.payload_bytes:
+            raise WireFormatError(
+                f"inconsistent: {element_count} x {element_type.name} needs {header.payload_bytes} "
+                f"payload bytes, datagram has {len(payload)}"
+            )
+    elif flags & Flags.REPLICATE:
+        raise WireFormatError(f"{kind.name} datagram may not carry REPLICATE")
+    return header, payload

@@ -1,0 +1,112 @@
+"""The P4 program this target runs: p4src/v1model/checkmate.p4, by its P4Info.
+
+The embedded target implements exactly one program. This module loads its
+P4Info, checks that a P4Info pushed by a controller describes that program,
+and builds the empty :class:`SwitchState` (tables with the default actions the
+P4 source declares, counters) that the pipeline reads.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from google.protobuf import text_format
+from p4.config.v1 import p4info_pb2
+
+from embedded_switch.state import (
+    ActionCall,
+    CounterArray,
+    MatchFieldSpec,
+    MatchKind,
+    SwitchState,
+    Table,
+)
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+P4INFO_PATH = REPO_ROOT / "p4src" / "checkmate.p4info.txt"
+
+DEFAULT_ACTIONS: dict[str, ActionCall] = {
+    "route_ipv4": ActionCall("drop_no_route"),
+    "lookup_job": ActionCall("job_unknown"),
+    "replicate_to_shadow": ActionCall("reject_replication"),
+    "rewrite_shadow_copy": ActionCall("drop_shadow_copy"),
+}
+"""Each table's ``default_action`` as written in the P4 source."""
+
+_MATCH_KINDS = {
+    p4info_pb2.MatchField.EXACT: MatchKind.EXACT,
+    p4info_pb2.MatchField.LPM: MatchKind.LPM,
+    p4info_pb2.MatchField.TERNARY: MatchKind.TERNARY,
+    p4info_pb2.MatchField.RANGE: MatchKind.RANGE,
+    p4info_pb2.MatchField.OPTIONAL: MatchKind.OPTIONAL,
+}
+_COUNTER_UNITS = {
+    p4info_pb2.CounterSpec.PACKETS: "packets",
+    p4info_pb2.CounterSpec.BYTES: "bytes",
+    p4info_pb2.CounterSpec.BOTH: "both",
+}
+
+
+class ProgramMismatchError(ValueError):
+    """A P4Info that does not describe the program this target runs."""
+
+
+def load_p4info(path: Path = P4INFO_PATH) -> p4info_pb2.P4Info:
+    """Parse a P4Info text file."""
+    info = p4info_pb2.P4Info()
+    text_format.Parse(path.read_text(), info)
+    return info
+
+
+def program_signature(info: p4info_pb2.P4Info) -> dict[str, object]:
+    """Names and widths that identify the program (ids may differ between compilers)."""
+    actions = {a.preamble.id: a for a in info.actions}
+    tables = {}
+    for t in info.tables:
+        tables[t.preamble.name] = (
+            tuple((m.name, m.bitwidth, m.match_type) for m in t.match_fields),
+            tuple(
+                sorted(
+                    (actions[r.id].preamble.name, tuple((p.name, p.bitwidth) for p in actions[r.id].params))
+                    for r in t.action_refs
+                    if r.id in actions
+                )
+            ),
+        )
+    counters = {c.preamble.name: (c.spec.unit, c.size) for c in info.counters}
+    return {"tables": tables, "counters": counters}
+
+
+def check_program(info: p4info_pb2.P4Info, reference: p4info_pb2.P4Info | None = None) -> None:
+    """Raise ProgramMismatchError, naming the first difference, unless ``info`` is our program."""
+    expected = program_signature(reference if reference is not None else load_p4info())
+    got = program_signature(info)
+    for kind in ("tables", "counters"):
+        want_items: dict[str, object] = expected[kind]  # type: ignore[assignment]
+        got_items: dict[str, object] = got[kind]  # type: ignore[assignment]
+        missing = sorted(set(want_items) - set(got_items))
+        extra = sorted(set(got_items) - set(want_items))
+        if missing or extra:
+            raise ProgramMismatchError(
+                f"this target runs the Checkmate program (p4src/v1model/checkmate.p4); the pushed P4Info "
+                f"lacks {kind} {missing} and has unknown {kind} {extra}"
+            )
+        for name, spec in want_items.items():
+            if got_items[name] != spec:
+                raise ProgramMismatchError(f"P4Info {kind[:-1]} {name} differs from the Checkmate program")
+
+
+def build_state(info: p4info_pb2.P4Info) -> SwitchState:
+    """An empty SwitchState for the program ``info`` describes (all tables at their defaults)."""
+    state = SwitchState()
+    for t in info.tables:
+        alias = t.preamble.alias or t.preamble.name.split(".")[-1]
+        fields = [MatchFieldSpec(m.name, m.bitwidth, _MATCH_KINDS[m.match_type]) for m in t.match_fields]
+        state.tables[alias] = Table(t.preamble.name, alias, fields, t.size, DEFAULT_ACTIONS[alias])
+    for c in info.counters:
+        alias = c.preamble.alias or c.preamble.name.split(".")[-1]
+        state.counters[alias] = CounterArray(c.preamble.name, alias, c.size, _COUNTER_UNITS[c.spec.unit])
+    return state

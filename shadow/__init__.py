@@ -1,0 +1,4 @@
+"""Shadow nodes: reassemble copied gradients, apply the optimizer, checkpoint.
+
+(Filled by the shadow-node issue.)
+"""
