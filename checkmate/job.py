@@ -1,0 +1,152 @@
+"""The description of a training job that controller, host agents and shadows share.
+
+A job names its workers in ring order and its shadows, and says which shadow
+owns which shard key. Workers put a bucket's shard key in every tagged packet
+(``shard_key_for_bucket``); the controller turns the shard map into replication
+entries; shadows learn from it which buckets are theirs. The default map is the
+one the authors' prototype used: bucket b -> shard b mod K -> shadow K.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from checkmate.wire import CHECKMATE_UDP_PORT
+
+MAX_JOB_ID = (1 << 32) - 1
+MAX_SHARD_KEY = (1 << 16) - 1
+
+
+class JobSpecError(ValueError):
+    """A job description that cannot be used; the message names the field."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    job_id: int
+    workers: tuple[str, ...]
+    """Worker host names in ring order: rank r sends to rank (r + 1) mod N."""
+    shadows: tuple[str, ...]
+    shard_to_shadow: Mapping[int, str] = field(default_factory=dict)
+    """Shard key -> shadow host. Empty means the default: shard k -> shadows[k]."""
+    shadow_port: int = CHECKMATE_UDP_PORT
+    """UDP port the shadows listen on for copies of this job."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "workers", tuple(self.workers))
+        object.__setattr__(self, "shadows", tuple(self.shadows))
+        if not self.shard_to_shadow:
+            object.__setattr__(self, "shard_to_shadow", {k: s for k, s in enumerate(self.shadows)})
+        else:
+            object.__setattr__(self, "shard_to_shadow", dict(self.shard_to_shadow))
+        self.validate()
+
+    def validate(self) -> None:
+        if isinstance(self.job_id, bool) or not isinstance(self.job_id, int):
+            raise JobSpecError(f"job_id must be an integer, got {self.job_id!r}")
+        if not 1 <= self.job_id <= MAX_JOB_ID:
+            raise JobSpecError(f"job_id {self.job_id} is outside 1..{MAX_JOB_ID}")
+        if len(self.workers) < 2:
+            raise JobSpecError(f"a job needs at least 2 workers, got {list(self.workers)}")
+        if not self.shadows:
+            raise JobSpecError("a job needs at least 1 shadow")
+        for role, names in (("worker", self.workers), ("shadow", self.shadows)):
+            seen: set[str] = set()
+            for name in names:
+                if not isinstance(name, str) or not name:
+                    raise JobSpecError(f"{role} names must be non-empty strings, got {name!r}")
+                if name in seen:
+                    raise JobSpecError(f"{role} {name!r} is listed twice")
+                seen.add(name)
+        both = sorted(set(self.workers) & set(self.shadows))
+        if both:
+            raise JobSpecError(f"host(s) {both} cannot be both worker and shadow")
+        for key, shadow in self.shard_to_shadow.items():
+            if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key <= MAX_SHARD_KEY:
+                raise JobSpecError(f"shard key {key!r} is outside 0..{MAX_SHARD_KEY}")
+            if shadow not in self.shadows:
+                raise JobSpecError(f"shard {key} maps to {shadow!r}, which is not one of the shadows")
+        if not 1 <= self.shadow_port <= 65535:
+            raise JobSpecError(f"shadow_port {self.shadow_port} is not a UDP port")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    @property
+    def shard_keys(self) -> tuple[int, ...]:
+        return tuple(sorted(self.shard_to_shadow))
+
+    def shard_key_for_bucket(self, bucket_id: int) -> int:
+        """The shard key a worker puts in packets of ``bucket_id`` (round robin)."""
+        keys = self.shard_keys
+        return keys[bucket_id % len(keys)]
+
+    def shadow_for_bucket(self, bucket_id: int) -> str:
+        return self.shard_to_shadow[self.shard_key_for_bucket(bucket_id)]
+
+    def ring_next(self, worker: str) -> str:
+        """The worker that ``worker`` sends to in the ring."""
+        index = self.workers.index(worker)
+        return self.workers[(index + 1) % len(self.workers)]
+
+    def with_shard_moved(self, shard_key: int, shadow: str) -> JobSpec:
+        """A copy where ``shard_key`` is owned by ``shadow`` (which must be one of the shadows)."""
+        if shard_key not in self.shard_to_shadow:
+            raise JobSpecError(f"job {self.job_id} has no shard {shard_key}; shards: {list(self.shard_keys)}")
+        moved = dict(self.shard_to_shadow)
+        moved[shard_key] = shadow
+        shadows = self.shadows if shadow in self.shadows else (*self.shadows, shadow)
+        return JobSpec(self.job_id, self.workers, shadows, moved, self.shadow_port)
+
+    # ---- JSON -------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id,
+            "workers": list(self.workers),
+            "shadows": list(self.shadows),
+            "shard_to_shadow": {str(k): v for k, v in sorted(self.shard_to_shadow.items())},
+            "shadow_port": self.shadow_port,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> JobSpec:
+        known = {"job_id", "workers", "shadows", "shard_to_shadow", "shadow_port"}
+        if not isinstance(data, Mapping):
+            raise JobSpecError(f"a job description is a JSON object, got {type(data).__name__}")
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise JobSpecError(f"unknown job field(s) {unknown}; known: {sorted(known)}")
+        for required in ("job_id", "workers", "shadows"):
+            if required not in data:
+                raise JobSpecError(f"job description lacks {required!r}")
+        workers, shadows = data["workers"], data["shadows"]
+        for name, value in (("workers", workers), ("shadows", shadows)):
+            if not isinstance(value, Sequence) or isinstance(value, str):
+                raise JobSpecError(f"{name} must be a list of host names")
+        raw_map = data.get("shard_to_shadow", {})
+        if not isinstance(raw_map, Mapping):
+            raise JobSpecError("shard_to_shadow must be an object {shard_key: shadow}")
+        shard_map: dict[int, str] = {}
+        for key, shadow in raw_map.items():
+            try:
+                shard_map[int(key)] = shadow
+            except (TypeError, ValueError):
+                raise JobSpecError(f"shard key {key!r} is not an integer") from None
+        return cls(
+            job_id=data["job_id"],
+            workers=tuple(workers),
+            shadows=tuple(shadows),
+            shard_to_shadow=shard_map,
+            shadow_port=data.get("shadow_port", CHECKMATE_UDP_PORT),
+        )
+
+    @classmethod
+    def loads(cls, text: str) -> JobSpec:
+        try:
+            return cls.from_json(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise JobSpecError(f"job description is not valid JSON: {exc}") from None

@@ -1,0 +1,21 @@
+"""Shared pytest set-up: markers that skip with a reason when the machine lacks something."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    is_root = os.geteuid() == 0
+    have_bmv2 = shutil.which("simple_switch_grpc") is not None
+    have_p4c = shutil.which("p4c") is not None
+    for item in items:
+        if "root" in item.keywords and not is_root:
+            item.add_marker(pytest.mark.skip(reason="needs root (network namespaces, AF_PACKET)"))
+        if "bmv2" in item.keywords and not have_bmv2:
+            item.add_marker(pytest.mark.skip(reason="simple_switch_grpc (BMv2) is not installed"))
+        if "p4c" in item.keywords and not have_p4c:
+            item.add_marker(pytest.mark.skip(reason="p4c is not installed"))

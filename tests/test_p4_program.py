@@ -1,0 +1,108 @@
+"""The P4 sources, the committed P4Info and the Python wire format agree."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from p4.config.v1 import p4info_pb2
+
+from checkmate import wire
+from embedded_switch.program import P4INFO_PATH, load_p4info, program_signature
+from tests.p4_source import P4SRC, read_program
+
+UNITS = {
+    p4info_pb2.CounterSpec.PACKETS: "packets",
+    p4info_pb2.CounterSpec.BYTES: "bytes",
+    p4info_pb2.CounterSpec.BOTH: "packets_and_bytes",
+}
+KINDS = {p4info_pb2.MatchField.EXACT: "exact", p4info_pb2.MatchField.LPM: "lpm",
+         p4info_pb2.MatchField.TERNARY: "ternary", p4info_pb2.MatchField.RANGE: "range"}
+
+
+def short(name: str) -> str:
+    return name.split(".")[-1]
+
+
+@pytest.fixture(scope="module")
+def p4info() -> p4info_pb2.P4Info:
+    return load_p4info()
+
+
+def test_every_p4info_table_is_in_the_source_with_the_same_keys_actions_and_size(p4info) -> None:  # type: ignore[no-untyped-def]
+    source = read_program("v1model")
+    actions = {a.preamble.id: short(a.preamble.name) for a in p4info.actions}
+    for table in p4info.tables:
+        declared = source.tables[short(table.preamble.name)]
+        assert [(m.name, KINDS[m.match_type], m.bitwidth) for m in table.match_fields] == declared.keys
+        assert sorted(actions[r.id] for r in table.action_refs) == sorted(declared.actions)
+        assert table.size == declared.size, table.preamble.name
+
+
+def test_every_p4info_action_and_counter_is_in_the_source(p4info) -> None:  # type: ignore[no-untyped-def]
+    source = read_program("v1model")
+    for action in p4info.actions:
+        assert [(p.name, p.bitwidth) for p in action.params] == source.actions[short(action.preamble.name)]
+    for counter in p4info.counters:
+        assert source.counters[short(counter.preamble.name)] == (UNITS[counter.spec.unit], counter.size)
+
+
+def test_everything_the_source_declares_is_in_the_p4info(p4info) -> None:  # type: ignore[no-untyped-def]
+    source = read_program("v1model")
+    assert set(source.tables) == {short(t.preamble.name) for t in p4info.tables}
+    used = {a for t in source.tables.values() for a in t.actions}
+    assert used == {short(a.preamble.name) for a in p4info.actions}
+    assert set(source.counters) == {short(c.preamble.name) for c in p4info.counters}
+
+
+def test_tna_declares_the_same_tables_actions_and_counters_as_v1model() -> None:
+    v1model, tna = read_program("v1model"), read_program("tna")
+    assert {n: (t.keys, sorted(t.actions), t.size) for n, t in tna.tables.items()} == {
+        n: (t.keys, sorted(t.actions), t.size) for n, t in v1model.tables.items()
+    }
+    used = {a for t in v1model.tables.values() for a in t.actions}
+    assert {a: tna.actions[a] for a in used} == {a: v1model.actions[a] for a in used}
+    assert tna.counters == v1model.counters
+
+
+def test_p4_constants_and_header_match_the_python_wire_format() -> None:
+    source = read_program("v1model")
+    constants = source.constants
+    assert constants["CHECKMATE_UDP_PORT"] == wire.CHECKMATE_UDP_PORT
+    assert constants["CHECKMATE_VERSION"] == wire.WIRE_VERSION
+    assert constants["CHECKMATE_HEADER_BYTES"] == wire.HEADER_BYTES
+    assert constants["UDP_HEADER_BYTES"] == wire.UDP_HEADER_BYTES
+    assert constants["CHECKMATE_MSG_DATA"] == wire.MessageType.DATA
+    assert constants["CHECKMATE_FLAG_REPLICATE"] == wire.Flags.REPLICATE
+    assert constants["CHECKMATE_DTYPE_FP32"] == wire.DType.FP32
+    assert constants["CHECKMATE_DTYPE_BF16"] == wire.DType.BF16
+    assert constants["CHECKMATE_DTYPE_FP16"] == wire.DType.FP16
+    fields = source.header_fields["checkmate_h"]
+    assert [name for name, _ in fields] == [
+        "version", "msg_type", "flags", "dtype", "job_id", "iteration", "bucket_id", "sender_rank",
+        "shard_key", "reserved", "element_offset", "element_count", "sequence",
+    ]
+    struct_widths = {"B": 8, "H": 16, "I": 32}
+    assert [w for _, w in fields] == [struct_widths[c] for c in wire._HEADER.format.lstrip("!")]
+    assert sum(w for _, w in fields) == 8 * wire.HEADER_BYTES
+
+
+def test_sources_never_drop_after_choosing_a_multicast_group() -> None:
+    text = (P4SRC / "v1model" / "include" / "ingress.p4").read_text()
+    body = text[text.index("action set_multicast_group"):]
+    body = body[: body.index("}")]
+    assert "mark_to_drop" not in body
+
+
+@pytest.mark.p4c
+def test_p4c_output_matches_the_committed_p4info(tmp_path: Path) -> None:
+    assert shutil.which("p4c")
+    out = tmp_path / "checkmate.p4info.txt"
+    subprocess.run(
+        ["p4c", "--target", "bmv2", "--arch", "v1model", "--p4runtime-files", str(out),
+         "-o", str(tmp_path), str(P4SRC / "v1model" / "checkmate.p4")],
+        check=True, timeout=300,
+    )
+    assert program_signature(load_p4info(out)) == program_signature(load_p4info(P4INFO_PATH))
