@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass, replace
-from typing import Final, Union
+from typing import Final
 
 CHECKMATE_UDP_PORT: Final = 48879
 """UDP port of all Checkmate traffic (0xBEEF), source and destination."""
@@ -36,7 +36,7 @@ MAX_PAYLOAD_BYTES: Final = JUMBO_MTU - IPV4_HEADER_BYTES - UDP_HEADER_BYTES - HE
 _HEADER = struct.Struct("!BBBBIIHHHHIII")
 assert _HEADER.size == HEADER_BYTES
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 
 class MessageType(enum.IntEnum):

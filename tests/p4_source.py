@@ -89,8 +89,9 @@ def read_program(arch: str) -> P4Program:
         struct_members[name] = dict(fields)
     # Which struct/header type each top-level name refers to.
     instance_types = {"meta": "checkmate_metadata_t"}
-    for htype, hname in re.findall(r"^\s*(\w+_h)\s+(\w+)\s*;", _block(text, text.index("struct headers_t")),
-                                   flags=re.M):
+    for htype, hname in re.findall(
+        r"^\s*(\w+_h)\s+(\w+)\s*;", _block(text, text.index("struct headers_t")), flags=re.M
+    ):
         instance_types[f"hdr.{hname}"] = htype
 
     def key_width(expr: str) -> int:
@@ -118,7 +119,8 @@ def read_program(arch: str) -> P4Program:
         size_token = re.search(r"size\s*=\s*(\w+)\s*;", body).group(1)  # type: ignore[union-attr]
         size = int(size_token) if size_token.isdigit() else program.constants[size_token]
         program.tables[name] = P4Table(name, keys, actions, size)
-    for size_token, unit, name in re.findall(r"\bcounter\s*\((\w+)\s*,\s*CounterType\.(\w+)\)\s*(\w+)\s*;", text):
+    v1model_counter = r"\bcounter\s*\((\w+)\s*,\s*CounterType\.(\w+)\)\s*(\w+)\s*;"
+    for size_token, unit, name in re.findall(v1model_counter, text):
         program.counters[name] = (unit, program.constants.get(size_token) or int(size_token))
     for size_token, unit, name in re.findall(
         r"\bCounter\s*<[^(]*>\s*\((\w+)\s*,\s*CounterType_t\.(\w+)\)\s*(\w+)\s*;", text

@@ -16,8 +16,10 @@ def test_default_shard_map_is_round_robin_over_shadows() -> None:
 
 def test_json_round_trip_and_shard_move() -> None:
     job = JobSpec(5, ("h1", "h2"), ("s1", "s2"), {0: "s1", 1: "s1"})
-    again = JobSpec.loads('{"job_id": 5, "workers": ["h1", "h2"], "shadows": ["s1", "s2"],'
-                          ' "shard_to_shadow": {"0": "s1", "1": "s1"}}')
+    again = JobSpec.loads(
+        '{"job_id": 5, "workers": ["h1", "h2"], "shadows": ["s1", "s2"],'
+        ' "shard_to_shadow": {"0": "s1", "1": "s1"}}'
+    )
     assert again == job and JobSpec.from_json(job.to_json()) == job
     moved = job.with_shard_moved(1, "s2")
     assert moved.shard_to_shadow == {0: "s1", 1: "s2"} and job.shard_to_shadow[1] == "s1"
@@ -53,8 +55,10 @@ def test_bad_job_descriptions_name_the_problem(kwargs: dict[str, object], messag
         ('{"job_id": 1, "workers": ["a", "b"], "shadows": ["s"], "colour": 1}', "unknown job field"),
         ('{"job_id": 1, "workers": ["a", "b"]}', "lacks 'shadows'"),
         ('{"job_id": 1, "workers": "ab", "shadows": ["s"]}', "list of host names"),
-        ('{"job_id": 1, "workers": ["a", "b"], "shadows": ["s"], "shard_to_shadow": {"x": "s"}}',
-         "not an integer"),
+        (
+            '{"job_id": 1, "workers": ["a", "b"], "shadows": ["s"], "shard_to_shadow": {"x": "s"}}',
+            "not an integer",
+        ),
     ],
 )
 def test_bad_job_json(text: str, message: str) -> None:

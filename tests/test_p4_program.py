@@ -18,8 +18,12 @@ UNITS = {
     p4info_pb2.CounterSpec.BYTES: "bytes",
     p4info_pb2.CounterSpec.BOTH: "packets_and_bytes",
 }
-KINDS = {p4info_pb2.MatchField.EXACT: "exact", p4info_pb2.MatchField.LPM: "lpm",
-         p4info_pb2.MatchField.TERNARY: "ternary", p4info_pb2.MatchField.RANGE: "range"}
+KINDS = {
+    p4info_pb2.MatchField.EXACT: "exact",
+    p4info_pb2.MatchField.LPM: "lpm",
+    p4info_pb2.MatchField.TERNARY: "ternary",
+    p4info_pb2.MatchField.RANGE: "range",
+}
 
 
 def short(name: str) -> str:
@@ -81,8 +85,19 @@ def test_p4_constants_and_header_match_the_python_wire_format() -> None:
     assert constants["CHECKMATE_DTYPE_FP16"] == wire.DType.FP16
     fields = source.header_fields["checkmate_h"]
     assert [name for name, _ in fields] == [
-        "version", "msg_type", "flags", "dtype", "job_id", "iteration", "bucket_id", "sender_rank",
-        "shard_key", "reserved", "element_offset", "element_count", "sequence",
+        "version",
+        "msg_type",
+        "flags",
+        "dtype",
+        "job_id",
+        "iteration",
+        "bucket_id",
+        "sender_rank",
+        "shard_key",
+        "reserved",
+        "element_offset",
+        "element_count",
+        "sequence",
     ]
     struct_widths = {"B": 8, "H": 16, "I": 32}
     assert [w for _, w in fields] == [struct_widths[c] for c in wire._HEADER.format.lstrip("!")]
@@ -91,7 +106,7 @@ def test_p4_constants_and_header_match_the_python_wire_format() -> None:
 
 def test_sources_never_drop_after_choosing_a_multicast_group() -> None:
     text = (P4SRC / "v1model" / "include" / "ingress.p4").read_text()
-    body = text[text.index("action set_multicast_group"):]
+    body = text[text.index("action set_multicast_group") :]
     body = body[: body.index("}")]
     assert "mark_to_drop" not in body
 
@@ -101,8 +116,19 @@ def test_p4c_output_matches_the_committed_p4info(tmp_path: Path) -> None:
     assert shutil.which("p4c")
     out = tmp_path / "checkmate.p4info.txt"
     subprocess.run(
-        ["p4c", "--target", "bmv2", "--arch", "v1model", "--p4runtime-files", str(out),
-         "-o", str(tmp_path), str(P4SRC / "v1model" / "checkmate.p4")],
-        check=True, timeout=300,
+        [
+            "p4c",
+            "--target",
+            "bmv2",
+            "--arch",
+            "v1model",
+            "--p4runtime-files",
+            str(out),
+            "-o",
+            str(tmp_path),
+            str(P4SRC / "v1model" / "checkmate.p4"),
+        ],
+        check=True,
+        timeout=300,
     )
     assert program_signature(load_p4info(out)) == program_signature(load_p4info(P4INFO_PATH))

@@ -10,9 +10,17 @@ from checkmate.scapy_layer import Checkmate
 from checkmate.wire import CHECKMATE_UDP_PORT, CheckmateHeader, DType, Flags, MessageType
 
 HEADER = CheckmateHeader(
-    msg_type=MessageType.DATA, job_id=42, iteration=9, bucket_id=2, sender_rank=1,
-    element_offset=4096, element_count=3, sequence=17, dtype=DType.FP32,
-    flags=Flags.REPLICATE | Flags.RETRANSMIT, shard_key=1,
+    msg_type=MessageType.DATA,
+    job_id=42,
+    iteration=9,
+    bucket_id=2,
+    sender_rank=1,
+    element_offset=4096,
+    element_count=3,
+    sequence=17,
+    dtype=DType.FP32,
+    flags=Flags.REPLICATE | Flags.RETRANSMIT,
+    shard_key=1,
 )
 PAYLOAD = bytes(range(12))
 
@@ -37,8 +45,19 @@ def test_ether_dissects_checkmate_fields() -> None:
 
 
 def test_scapy_builds_the_same_bytes_as_the_codec() -> None:
-    built = bytes(Checkmate(job_id=42, iteration=9, bucket_id=2, sender_rank=1, element_offset=4096,
-                            element_count=3, sequence=17, flags="REPLICATE+RETRANSMIT", shard_key=1))
+    built = bytes(
+        Checkmate(
+            job_id=42,
+            iteration=9,
+            bucket_id=2,
+            sender_rank=1,
+            element_offset=4096,
+            element_count=3,
+            sequence=17,
+            flags="REPLICATE+RETRANSMIT",
+            shard_key=1,
+        )
+    )
     assert built == HEADER.pack()
 
 

@@ -57,14 +57,16 @@ def test_tensor_slice_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
     bucket = torch.randn(10_000).to(dtype)
     bucket[5] = float("nan")
     bucket[6] = float("-inf")
-    piece = bucket[1000:1000 + 1024]
+    piece = bucket[1000 : 1000 + 1024]
     header = data_header(piece.numel(), wire_dtype(dtype))
     decoded, payload = wire.decode(wire.encode(header, tensor_payload(piece)))
     assert decoded == header
     restored = payload_tensor(payload, decoded.dtype)
     assert restored.dtype == dtype
-    assert torch.equal(restored.view(torch.int16 if dtype != torch.float32 else torch.int32),
-                       piece.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    assert torch.equal(
+        restored.view(torch.int16 if dtype != torch.float32 else torch.int32),
+        piece.view(torch.int16 if dtype != torch.float32 else torch.int32),
+    )
 
 
 def test_encode_copies_payload_once_and_parts_copy_nothing() -> None:
@@ -158,8 +160,9 @@ def test_random_bytes_never_escape_as_other_errors(data: bytes) -> None:
 
 
 @settings(max_examples=2000)
-@given(st.lists(st.tuples(st.integers(0, 47), st.integers(0, 255)), min_size=1, max_size=6),
-       st.integers(-20, 20))
+@given(
+    st.lists(st.tuples(st.integers(0, 47), st.integers(0, 255)), min_size=1, max_size=6), st.integers(-20, 20)
+)
 def test_mutated_datagrams_decode_consistently_or_raise(edits: list[tuple[int, int]], resize: int) -> None:
     datagram = bytearray(_good())
     for index, value in edits:
@@ -173,6 +176,8 @@ def test_mutated_datagrams_decode_consistently_or_raise(edits: list[tuple[int, i
     except WireFormatError:
         return
     # Whatever decodes is self-consistent and re-encodes to the same bytes.
-    assert len(payload) == header.payload_bytes or header.msg_type not in (MessageType.DATA,
-                                                                            MessageType.REPAIR_DATA)
+    assert len(payload) == header.payload_bytes or header.msg_type not in (
+        MessageType.DATA,
+        MessageType.REPAIR_DATA,
+    )
     assert header.pack() == bytes(datagram[:HEADER_BYTES])
