@@ -45,7 +45,7 @@ def tensor_payload(tensor: torch.Tensor) -> memoryview:
     flat = tensor.reshape(-1)
     if tensor.element_size() == 2:
         flat = flat.view(torch.int16)
-    return memoryview(flat.numpy()).cast("B")
+    return flat.numpy().data.cast("B")
 
 
 def payload_tensor(payload: memoryview | bytes | bytearray, dtype: DType) -> torch.Tensor:
