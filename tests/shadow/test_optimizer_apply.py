@@ -1,0 +1,98 @@
+"""A shadow replaying the workers' steps ends bit-for-bit where the workers end."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from shadow.optimizer_apply import OptimizerSpec, OptimizerSpecError, ShadowOptimizer, StepRecord
+
+torch.set_num_threads(1)
+
+OPTIMIZERS: dict[str, Callable[[list[dict]], torch.optim.Optimizer]] = {
+    "sgd-momentum-nesterov-wd": lambda g: torch.optim.SGD(
+        g, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3
+    ),
+    "sgd-dampening": lambda g: torch.optim.SGD(g, lr=0.05, momentum=0.8, dampening=0.1),
+    "adam": lambda g: torch.optim.Adam(g, lr=1e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=1e-4),
+    "adam-amsgrad": lambda g: torch.optim.Adam(g, lr=1e-2, amsgrad=True),
+    "adamw": lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.05),
+}
+
+
+def model() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_two_shards_equal_the_workers_bit_for_bit(kind: str) -> None:
+    worker = model()
+    names = {id(p): n for n, p in worker.named_parameters()}
+    params = dict(worker.named_parameters())
+    groups = [
+        {"params": [params["0.weight"], params["0.bias"]]},
+        {"params": [params["2.weight"], params["2.bias"]], "lr": 3e-3},
+    ]
+    optimizer = OPTIMIZERS[kind](groups)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    spec = OptimizerSpec.from_optimizer(optimizer, names)
+    initial = {n: p.detach().clone() for n, p in worker.named_parameters()}
+    shards = [
+        ShadowOptimizer(initial, spec, {"0.weight", "2.bias"}),
+        ShadowOptimizer(initial, spec, {"0.bias", "2.weight"}),
+    ]
+    generator = torch.Generator().manual_seed(2)
+    for iteration in range(6):
+        x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(worker(x), y).backward()
+        gradients = {n: p.grad.detach().clone() for n, p in worker.named_parameters()}  # type: ignore[union-attr]
+        total = torch.nn.utils.clip_grad_norm_(worker.parameters(), max_norm=0.5)
+        coefficient = torch.clamp(0.5 / (total + 1e-6), max=1.0).item()
+        skip = iteration == 3  # a loss scaler that found inf: nobody steps
+        learning_rates = [g["lr"] for g in optimizer.param_groups]
+        if not skip:
+            optimizer.step()
+        scheduler.step()
+        record = StepRecord(iteration, learning_rates, coefficient, skip)
+        for shard in shards:
+            shard.apply(record, {n: gradients[n].clone() for n in shard.parameters})
+    for shard in shards:
+        for name, value in shard.parameters.items():
+            assert torch.equal(value, params[name].detach()), name
+            expected = optimizer.state[params[name]]
+            got = shard.optimizer_state(name)
+            assert expected.keys() == got.keys()
+            for key in expected:
+                assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(expected[key])), (name, key)
+
+
+def test_unsupported_or_inconsistent_specs_are_refused() -> None:
+    worker = model()
+    initial = {n: p.detach() for n, p in worker.named_parameters()}
+    spec = OptimizerSpec("Adagrad", [{"params": list(initial), "lr": 0.1}])
+    with pytest.raises(OptimizerSpecError, match="not supported"):
+        ShadowOptimizer(initial, spec, {"0.bias"})
+    with pytest.raises(OptimizerSpecError, match="not in the model"):
+        ShadowOptimizer(initial, OptimizerSpec("SGD", [{"params": ["x"], "lr": 0.1}]), {"x"})
+    with pytest.raises(OptimizerSpecError, match="in no param group"):
+        ShadowOptimizer(initial, OptimizerSpec("SGD", [{"params": ["0.bias"], "lr": 0.1}]), {"0.weight"})
+    with pytest.raises(OptimizerSpecError, match="learning rate -1.0 is invalid"):
+        ShadowOptimizer(initial, OptimizerSpec("SGD", [{"params": ["0.bias"], "lr": -1.0}]), {"0.bias"})
+    with pytest.raises(OptimizerSpecError, match="no hyperparameter"):
+        ShadowOptimizer(
+            initial, OptimizerSpec("SGD", [{"params": ["0.bias"], "betas": [0.9, 0.9]}]), {"0.bias"}
+        )
+    with pytest.raises(OptimizerSpecError, match="rejects"):
+        ShadowOptimizer(
+            initial, OptimizerSpec("Adam", [{"params": ["0.bias"], "betas": [2.0, 0.9]}]), {"0.bias"}
+        )
+    shard = ShadowOptimizer(initial, OptimizerSpec("SGD", [{"params": ["0.bias"], "lr": 0.1}]), {"0.bias"})
+    with pytest.raises(KeyError, match="no gradient"):
+        shard.apply(StepRecord(0, [0.1]), {})
+    with pytest.raises(ValueError, match="learning rates"):
+        shard.apply(StepRecord(0, [0.1, 0.2]), {"0.bias": torch.zeros(32)})
