@@ -47,6 +47,8 @@ class RangeSet:
 
     def add(self, start: int, end: int) -> None:
         """Add [start, end), merging with neighbours it touches or overlaps."""
+        if start >= end:
+            return
         i = bisect.bisect_left(self.ends, start)
         j = bisect.bisect_right(self.starts, end)
         if i < j:
