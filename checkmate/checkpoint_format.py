@@ -240,14 +240,14 @@ def _load_json(path: Path) -> dict[str, Any]:
 
 def complete_steps(root: Path) -> list[int]:
     """Steps under ``root`` whose global record and every shard manifest are present, ascending."""
-    steps = []
+    steps: list[int] = []
     if not root.is_dir():
         return steps
     for entry in root.iterdir():
         match = STEP_DIR.match(entry.name)
         if not match or not (entry / "global.json").is_file():
             continue
-        counts = {}
+        counts: dict[int, set[int]] = {}
         for manifest in entry.iterdir():
             shard_match = SHARD_MANIFEST.match(manifest.name)
             if shard_match:
