@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+SUPPORTED_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "SGD": torch.optim.SGD,
     "Adam": torch.optim.Adam,
     "AdamW": torch.optim.AdamW,
@@ -95,10 +95,12 @@ class ShadowOptimizer:
         }
         self._group_of: dict[str, int] = {}
         allowed = set(optimizer_class([torch.zeros(1, requires_grad=True)]).defaults) | {"initial_lr"}
-        constructor_args = set(inspect.signature(optimizer_class.__init__).parameters) - {"self", "params"}
+        constructor_args = set(inspect.signature(optimizer_class).parameters) - {"self", "params"}
         groups = []
         for index, group in enumerate(spec.param_groups):
-            hyper = {k: (tuple(v) if isinstance(v, list) else v) for k, v in group.items() if k != "params"}
+            hyper: dict[str, Any] = {
+                k: (tuple(v) if isinstance(v, list) else v) for k, v in group.items() if k != "params"
+            }
             unexpected = sorted(set(hyper) - allowed)
             if unexpected:
                 raise OptimizerSpecError(f"{spec.kind} has no hyperparameter(s) {unexpected}")
@@ -120,7 +122,7 @@ class ShadowOptimizer:
         if missing:
             raise OptimizerSpecError(f"owned parameters {missing} are in no param group")
         try:
-            self.optimizer = optimizer_class(groups)  # type: ignore[arg-type]
+            self.optimizer = optimizer_class(groups)
         except (TypeError, ValueError) as exc:
             raise OptimizerSpecError(f"{spec.kind} rejects the hyperparameters: {exc}") from exc
         self.iteration = -1
