@@ -431,3 +431,17 @@ class CheckpointReader:
 def parameters_of(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[list[int], str]]:
     """name -> (shape, dtype) for ``write_global``."""
     return {name: (list(t.shape), str(t.dtype)) for name, t in named}
+
+
+def capture_states(
+    named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Clone ``{name: {"param": value, <optimizer state>: tensor}}`` from live objects."""
+    states: dict[str, dict[str, torch.Tensor]] = {}
+    for name, parameter in named:
+        record = {PARAM_STATE: parameter.detach().clone()}
+        if optimizer is not None:
+            for key, value in optimizer.state.get(parameter, {}).items():
+                record[key] = torch.as_tensor(value).detach().clone()
+        states[name] = record
+    return states
