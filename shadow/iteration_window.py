@@ -1,0 +1,177 @@
+"""Iterations in flight at a shadow: placement of copies, commits, and readiness.
+
+The shadow owns some buckets of the model (by shard key). For every iteration
+between the last applied one and a bounded horizon it keeps one
+:class:`~shadow.reassembly.BucketAssembly` per owned bucket and, once it
+arrives, the iteration's commit record. Iteration t is *ready* when t - 1 has
+been applied, its commit is here and every owned bucket is complete; missing
+ranges of an iteration whose commit is here are what the shadow repairs.
+Anything that cannot belong (another job, a bucket it does not own, elements
+past a bucket's end, a wrong dtype, an iteration outside the window) is
+dropped and counted by reason, never written.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from checkmate.tensors import payload_tensor
+from checkmate.wire import CheckmateHeader, DType, MessageType
+from shadow.optimizer_apply import StepRecord
+from shadow.reassembly import BucketAssembly, PlaceResult, ReassemblyError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParameterSlot:
+    """Where one parameter's gradient lies in its bucket."""
+
+    name: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    bucket_id: int
+    numel: int
+    parameters: tuple[ParameterSlot, ...]
+
+
+class DropReason(enum.Enum):
+    OTHER_JOB = "other_job"
+    NOT_DATA = "not_data"
+    NOT_OWNED = "bucket_not_owned"
+    STALE = "stale_iteration"
+    TOO_FAR_AHEAD = "iteration_too_far_ahead"
+    OUT_OF_RANGE = "offset_past_bucket_end"
+    WRONG_DTYPE = "wrong_dtype"
+    DUPLICATE = "duplicate"
+
+
+@dataclass
+class PendingIteration:
+    iteration: int
+    buckets: dict[int, BucketAssembly]
+    step: StepRecord | None = None
+
+    @property
+    def complete(self) -> bool:
+        return all(bucket.complete for bucket in self.buckets.values())
+
+    def missing(self) -> dict[int, list[tuple[int, int]]]:
+        return {b: gaps for b, a in self.buckets.items() if (gaps := a.missing())}
+
+
+@dataclass
+class WindowStats:
+    placed_packets: int = 0
+    placed_elements: int = 0
+    drops: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+class IterationWindow:
+    """Placement and readiness of the iterations a shadow has not applied yet."""
+
+    def __init__(
+        self,
+        job_id: int,
+        layouts: Mapping[int, BucketLayout],
+        owned_buckets: set[int],
+        first_iteration: int,
+        horizon: int = 4,
+    ) -> None:
+        unknown = sorted(owned_buckets - set(layouts))
+        if unknown:
+            raise ValueError(f"owned buckets {unknown} have no layout")
+        self.job_id = job_id
+        self.layouts = dict(layouts)
+        self.owned = set(owned_buckets)
+        self.next_iteration = first_iteration
+        """The next iteration to apply; everything before it is done."""
+        self.horizon = horizon
+        self.pending: dict[int, PendingIteration] = {}
+        self.stats = WindowStats()
+
+    def _iteration(self, iteration: int) -> PendingIteration:
+        pending = self.pending.get(iteration)
+        if pending is None:
+            buckets = {b: BucketAssembly(self.layouts[b].numel) for b in sorted(self.owned)}
+            pending = self.pending[iteration] = PendingIteration(iteration, buckets)
+        return pending
+
+    def _drop(self, reason: DropReason) -> DropReason:
+        self.stats.drops[reason.value] += 1
+        return reason
+
+    def admits(self, iteration: int) -> DropReason | None:
+        if iteration < self.next_iteration:
+            return DropReason.STALE
+        if iteration >= self.next_iteration + self.horizon:
+            return DropReason.TOO_FAR_AHEAD
+        return None
+
+    def place(self, header: CheckmateHeader, payload: memoryview) -> DropReason | None:
+        """Place one copied (or repaired) datagram; returns why it was dropped, or None."""
+        if header.job_id != self.job_id:
+            return self._drop(DropReason.OTHER_JOB)
+        if header.msg_type not in (MessageType.DATA, MessageType.REPAIR_DATA):
+            return self._drop(DropReason.NOT_DATA)
+        if header.bucket_id not in self.owned:
+            return self._drop(DropReason.NOT_OWNED)
+        if header.dtype is not DType.FP32:
+            return self._drop(DropReason.WRONG_DTYPE)
+        refused = self.admits(header.iteration)
+        if refused is not None:
+            return self._drop(refused)
+        assembly = self._iteration(header.iteration).buckets[header.bucket_id]
+        try:
+            result = assembly.place(header.element_offset, payload_tensor(payload, header.dtype))
+        except ReassemblyError:
+            return self._drop(DropReason.OUT_OF_RANGE)
+        if result is PlaceResult.DUPLICATE:
+            return self._drop(DropReason.DUPLICATE)
+        self.stats.placed_packets += 1
+        self.stats.placed_elements += header.element_count
+        return None
+
+    def commit(self, step: StepRecord) -> DropReason | None:
+        """Record an iteration's commit (what is not in the gradients)."""
+        refused = self.admits(step.iteration)
+        if refused is not None:
+            return self._drop(refused)
+        self._iteration(step.iteration).step = step
+        return None
+
+    def ready(self) -> PendingIteration | None:
+        """The next iteration, if its commit is here and all its owned buckets are complete."""
+        pending = self.pending.get(self.next_iteration)
+        if pending is None or pending.step is None or not pending.complete:
+            return None
+        return pending
+
+    def gradients(self, pending: PendingIteration) -> dict[str, torch.Tensor]:
+        """Per-parameter gradient views into the iteration's completed buckets."""
+        gradients = {}
+        for bucket_id, assembly in pending.buckets.items():
+            for slot in self.layouts[bucket_id].parameters:
+                gradients[slot.name] = assembly.buffer[slot.offset : slot.offset + slot.numel].view(
+                    slot.shape
+                )
+        return gradients
+
+    def advance(self) -> None:
+        """Forget the applied iteration and move the window on."""
+        self.pending.pop(self.next_iteration, None)
+        self.next_iteration += 1
+
+    def owned_parameters(self) -> set[str]:
+        return {slot.name for b in self.owned for slot in self.layouts[b].parameters}
