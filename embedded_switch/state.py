@@ -117,6 +117,8 @@ class Table:
         self._exact: dict[tuple[int, ...], TableEntry] = {}
         self._by_prefix: tuple[tuple[int, dict[tuple[int, ...], TableEntry]], ...] = ()
         self._ordered: tuple[TableEntry, ...] = ()
+        self.generation = 0
+        """Bumped on every published change of the entries (readers cache lookups by it)."""
 
     # ---- identity -------------------------------------------------------------
     def entry_id(self, key: tuple[FieldMatch, ...], priority: int) -> tuple[object, ...]:
@@ -194,6 +196,7 @@ class Table:
             self._by_prefix = tuple(sorted(buckets.items(), key=lambda kv: -kv[0]))
         else:
             self._ordered = tuple(sorted(entries, key=lambda e: -e.priority))
+        self.generation += 1  # after the structures: a reader never caches new-generation stale data
 
 
 @dataclass(frozen=True, slots=True)
