@@ -1,0 +1,174 @@
+"""PTF-style packet tests, run against every switch target (embedded always, BMv2 when installed).
+
+Each test: the entries of tests/switch_cases.py are installed over P4Runtime
+(fixture ``p4rt``), a packet goes in on one port, and exactly the expected
+packets must come out on exactly the expected ports — nothing elsewhere.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from scapy.layers.inet import IP, UDP
+from scapy.layers.l2 import ARP, Ether
+
+from checkmate.scapy_layer import Checkmate
+from embedded_switch.pipeline import DropReason, ipv4_checksum
+from tests import switch_cases as sc
+from tests.packet.conftest import Rig
+from tests.packet.p4rt import P4RuntimeTestClient
+
+pytestmark = pytest.mark.root
+
+
+def test_ipv4_forwarding_rewrites_macs_and_decrements_ttl(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
+    udp = sc.udp_packet(size=200)
+    switch.send(sc.W0_PORT, udp)
+    switch.expect({sc.W1_PORT: [sc.routed(udp, sc.W1_MAC)]})
+    icmp = sc.icmp_packet(dst_ip=sc.W0_IP)
+    switch.send(sc.W1_PORT, icmp)
+    switch.expect({sc.W0_PORT: [sc.routed(icmp, sc.W0_MAC)]})
+
+
+def test_replicate_to_shadow(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
+    pkt = sc.checkmate_packet(shard_key=sc.SHARD_SHADOW1)
+    switch.send(sc.W0_PORT, pkt)
+    switch.expect({sc.W1_PORT: [sc.primary_copy(pkt)], sc.SH1_PORT: [sc.shadow1_copy(pkt)]})
+    shadow = Ether(sc.shadow1_copy(pkt))
+    assert shadow[IP].dst == sc.SH1_IP and shadow[UDP].dport == sc.SH1_UDP_PORT
+    assert shadow[UDP].chksum == 0 and int(shadow[Checkmate].flags) & 0x01 == 0
+    assert ipv4_checksum(bytes(shadow[IP])) == shadow[IP].chksum
+    n = len(bytes(pkt))
+    assert p4rt.read_counter("shadow_copies", sc.JOB_SLOT) == (1, n)
+
+
+def test_two_shard_keys_reach_two_shadows(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
+    a = sc.checkmate_packet(shard_key=sc.SHARD_SHADOW1, sequence=1)
+    b = sc.checkmate_packet(shard_key=sc.SHARD_SHADOW2, sequence=2)
+    switch.send(sc.W0_PORT, a, b)
+    switch.expect(
+        {
+            sc.W1_PORT: [sc.primary_copy(a), sc.primary_copy(b)],
+            sc.SH1_PORT: [sc.shadow1_copy(a)],
+            sc.SH2_PORT: [sc.shadow2_copy(b)],
+        }
+    )
+
+
+def test_group_with_two_shadows(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
+    pkt = sc.checkmate_packet(shard_key=sc.SHARD_BOTH, dtype=3, count=6)
+    switch.send(sc.W0_PORT, pkt)
+    switch.expect(
+        {
+            sc.W1_PORT: [sc.primary_copy(pkt)],
+            sc.SH1_PORT: [sc.shadow1_copy(pkt)],
+            sc.SH2_PORT: [sc.shadow2_copy(pkt)],
+        }
+    )
+    assert p4rt.read_counter("shadow_copies", sc.JOB_SLOT)[0] == 2
+
+
+def test_jumbo_frame_is_replicated_whole(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
+    pkt = sc.sized_checkmate_packet(9014)
+    switch.send(sc.W0_PORT, pkt)
+    switch.expect({sc.W1_PORT: [sc.primary_copy(pkt)], sc.SH1_PORT: [sc.shadow1_copy(pkt)]})
+
+
+def test_non_enrolled_port_is_forwarded_not_copied_and_counted(
+    switch: Rig, p4rt: P4RuntimeTestClient
+) -> None:
+    pkt = sc.checkmate_packet()
+    pkt[Ether].src = sc.SH2_MAC
+    switch.send(sc.SH2_PORT, pkt)
+    switch.expect({sc.W1_PORT: [sc.routed(pkt, sc.W1_MAC)]})
+    assert p4rt.read_counter("rejected_replications", sc.JOB_SLOT) == (1, len(bytes(pkt)))
+    assert p4rt.read_counter("shadow_copies", sc.JOB_SLOT) == (0, 0)
+
+
+def test_unknown_job_is_counted_at_slot_zero(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
+    pkt = sc.checkmate_packet(job_id=sc.UNKNOWN_JOB_ID)
+    switch.send(sc.W0_PORT, pkt)
+    switch.expect({sc.W1_PORT: [sc.routed(pkt, sc.W1_MAC)]})
+    assert p4rt.read_counter("rejected_replications", 0)[0] == 1
+    assert p4rt.read_counter("rejected_replications", sc.JOB_SLOT)[0] == 0
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        sc.checkmate_packet(version=9),
+        bytes(sc.checkmate_packet())[:64],
+        sc.checkmate_packet(count=100, payload=sc.payload_for(8)),
+        sc.checkmate_packet(udp_len=30),
+    ],
+    ids=["bad-version", "truncated", "inconsistent-length", "udp-length-too-small"],
+)
+def test_malformed_checkmate_is_dropped_and_counted(
+    switch: Rig, p4rt: P4RuntimeTestClient, frame: object
+) -> None:
+    switch.send(sc.W0_PORT, frame)  # type: ignore[arg-type]
+    switch.expect_nothing()
+    assert p4rt.read_counter("ingress_drops", DropReason.MALFORMED_CHECKMATE)[0] == 1
+
+
+def test_non_checkmate_udp_is_forwarded_and_non_ipv4_dropped(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
+    other = sc.udp_packet(dport=9999)
+    switch.send(sc.W0_PORT, other)
+    switch.expect({sc.W1_PORT: [sc.routed(other, sc.W1_MAC)]})
+    switch.send(sc.W0_PORT, Ether(src=sc.W0_MAC, dst="ff:ff:ff:ff:ff:ff") / ARP(pdst=sc.W1_IP))
+    switch.expect_nothing()
+    assert p4rt.read_counter("ingress_drops", DropReason.NOT_IPV4)[0] == 1
+
+
+def test_no_route_and_ttl_expiry_are_counted(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
+    switch.send(sc.W0_PORT, sc.udp_packet(dst_ip="192.0.2.1"), sc.checkmate_packet(ttl=1))
+    switch.expect_nothing()
+    assert p4rt.read_counter("ingress_drops", DropReason.NO_ROUTE)[0] == 1
+    assert p4rt.read_counter("ingress_drops", DropReason.TTL_EXPIRED)[0] == 1
+
+
+def test_counters_count_every_copy(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
+    packets = [sc.checkmate_packet(sequence=i) for i in range(20)]
+    switch.send(sc.W0_PORT, *packets)
+    switch.expect(
+        {
+            sc.W1_PORT: [sc.primary_copy(p) for p in packets],
+            sc.SH1_PORT: [sc.shadow1_copy(p) for p in packets],
+        }
+    )
+    n = len(bytes(packets[0]))
+    assert p4rt.read_counter("shadow_copies", sc.JOB_SLOT) == (20, 20 * n)
+    assert p4rt.read_counter("rejected_replications", sc.JOB_SLOT) == (0, 0)
+
+
+def test_garbage_frames_do_not_stop_forwarding(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
+    rng = random.Random(7)
+    good = bytes(sc.checkmate_packet())
+    for _ in range(200):
+        kind = rng.randrange(3)
+        if kind == 0:
+            frame = bytes(rng.randrange(256) for _ in range(rng.randrange(14, 120)))
+        else:  # a real frame with a few bytes trashed, or cut short
+            frame = bytearray(good)
+            for _ in range(4):
+                frame[rng.randrange(12, 80)] = rng.randrange(256)
+            frame = bytes(frame[: rng.randrange(14, len(frame) + 1)]) if kind == 2 else bytes(frame)
+        switch.send(sc.W0_PORT, frame)
+    switch.collect(10_000, timeout=1.0)  # whatever the garbage produced
+    pkt = sc.checkmate_packet(sequence=4242)
+    switch.send(sc.W0_PORT, pkt)
+    switch.expect({sc.W1_PORT: [sc.primary_copy(pkt)], sc.SH1_PORT: [sc.shadow1_copy(pkt)]})
+
+
+def test_packet_in_and_packet_out(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
+    # A route to the CPU port makes the switch send packet-ins; a packet-out enters on the CPU port.
+    p4rt.insert(sc.route("10.9.9.9", 32, 255, sc.W0_MAC))
+    pkt = sc.udp_packet(dst_ip="10.9.9.9")
+    switch.send(sc.W0_PORT, pkt)
+    packet_in = p4rt.packet_ins.get(timeout=5.0)
+    assert packet_in.payload == sc.routed(pkt, sc.W0_MAC)
+    switch.expect_nothing(0.2)
+    out = sc.udp_packet(dst_ip=sc.W1_IP, size=100)
+    p4rt.packet_out(bytes(out))
+    switch.expect({sc.W1_PORT: [sc.routed(out, sc.W1_MAC)]})
