@@ -1,0 +1,375 @@
+"""``checkmate-ctl``: the controller's command line.
+
+    checkmate-ctl --network topologies/single.json pipeline push
+    checkmate-ctl --network topologies/single.json forwarding install
+    checkmate-ctl --network topologies/single.json job add --job-id 7 --workers h1,h2,h3,h4 --shadows sh1,sh2
+    checkmate-ctl --network topologies/single.json job show 7
+    checkmate-ctl --network topologies/single.json shadow move --job 7 --shard 1 --to sh1
+    checkmate-ctl --network topologies/single.json job remove 7
+
+Commands that change switches first reconcile them with the registry (the
+controller's "start"), unless ``--no-reconcile`` is given. Errors print one
+line naming the cause and exit with status 1; usage errors exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from checkmate.job import JobSpec, JobSpecError
+from checkmate.network import Network, NetworkError
+from controller.controller import Controller
+from controller.errors import ControllerError
+from controller.pipeline import DEFAULT_P4INFO, PipelineConfig, Target
+from controller.registry import Registry
+from controller.switch_connection import DEFAULT_TIMEOUT_S
+
+logger = logging.getLogger(__name__)
+
+PROG = "checkmate-ctl"
+
+
+def default_state_dir() -> Path:
+    if os.environ.get("CHECKMATE_STATE_DIR"):
+        return Path(os.environ["CHECKMATE_STATE_DIR"])
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "checkmate"
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names no hosts (expected e.g. h1,h2,h3)")
+    return names
+
+
+def _shard(text: str) -> tuple[int, str]:
+    key, sep, shadow = text.partition("=")
+    if not sep or not shadow:
+        raise argparse.ArgumentTypeError(f"{text!r} must be SHARD=SHADOW, e.g. 0=sh1")
+    try:
+        return int(key), shadow
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shard key {key!r} is not an integer") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Program Checkmate switches over P4Runtime: pipeline, forwarding, and per-job "
+        "replication "
+        "of tagged gradient packets to shadow nodes.",
+    )
+    parser.add_argument(
+        "--network",
+        type=Path,
+        default=os.environ.get("CHECKMATE_NETWORK"),
+        help="network description (topology JSON); default: $CHECKMATE_NETWORK",
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="directory of the job registry; default: $CHECKMATE_STATE_DIR or ~/.local/state/checkmate",
+    )
+    parser.add_argument(
+        "--election-id", type=_positive_int, default=1, help="P4Runtime election id (default 1)"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds to wait for a switch to connect or answer an RPC (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--max-groups",
+        type=_positive_int,
+        default=None,
+        help="cap on multicast groups per switch, below the network description's max_multicast_groups",
+    )
+    parser.add_argument(
+        "--no-reconcile",
+        action="store_true",
+        help="do not reconcile the switches with the registry before changing them",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv: debug)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    pipeline = commands.add_parser(
+        "pipeline", help="push the P4 pipeline", description="Push the P4 pipeline."
+    )
+    pipeline_cmds = pipeline.add_subparsers(dest="action", metavar="ACTION", required=True)
+    push = pipeline_cmds.add_parser(
+        "push",
+        help="push P4Info and device config to every switch, then reinstall forwarding and jobs",
+        description="Push the pipeline to every switch (their entries are wiped), then reconcile: "
+        "forwarding and "
+        "every registered job are installed again. Without --bmv2-json or --tofino-* only the P4Info is "
+        "pushed, which is what the embedded target takes.",
+    )
+    push.add_argument(
+        "--p4info", type=Path, default=DEFAULT_P4INFO, help=f"P4Info file (default {DEFAULT_P4INFO})"
+    )
+    push.add_argument("--bmv2-json", type=Path, help="BMv2 JSON from p4c (target bmv2)")
+    push.add_argument(
+        "--tofino-bin", type=Path, help="tofino.bin from bf-p4c (target tofino; with --tofino-context)"
+    )
+    push.add_argument("--tofino-context", type=Path, help="context.json from bf-p4c (target tofino)")
+
+    forwarding = commands.add_parser("forwarding", help="IPv4 forwarding", description="IPv4 forwarding.")
+    forwarding_cmds = forwarding.add_subparsers(dest="action", metavar="ACTION", required=True)
+    forwarding_cmds.add_parser(
+        "install",
+        help="make route_ipv4 hold exactly the network's routes",
+        description="Install a /32 route to every host at every switch "
+        "(and remove routes the network lacks).",
+    )
+
+    job = commands.add_parser("job", help="training jobs", description="Add, remove, list and show jobs.")
+    job_cmds = job.add_subparsers(dest="action", metavar="ACTION", required=True)
+    add = job_cmds.add_parser(
+        "add",
+        help="register a job and install its replication",
+        description="Register a job: its workers in ring order, its shadows, and which shadow owns "
+        "which shard "
+        "key (default: shard k -> k-th shadow). Either --spec or --job-id/--workers/--shadows.",
+    )
+    add.add_argument("--spec", type=Path, help="job description JSON (checkmate.job.JobSpec)")
+    add.add_argument("--job-id", type=int, help="job id (1..2^32-1)")
+    add.add_argument("--workers", type=_names, help="worker hosts in ring order, e.g. h1,h2,h3")
+    add.add_argument("--shadows", type=_names, help="shadow hosts, e.g. sh1,sh2")
+    add.add_argument(
+        "--shard",
+        type=_shard,
+        action="append",
+        default=[],
+        metavar="K=SHADOW",
+        help="shard key K goes to SHADOW",
+    )
+    add.add_argument("--shadow-port", type=int, help="UDP port the shadows receive copies on (default 48879)")
+    remove = job_cmds.add_parser(
+        "remove", help="remove a job from the switches and the registry", description="Remove a job."
+    )
+    remove.add_argument("job_id", type=int)
+    job_cmds.add_parser(
+        "list", help="list registered jobs", description="List registered jobs (no switch access)."
+    )
+    show = job_cmds.add_parser(
+        "show",
+        help="show a job and its per-switch counters",
+        description="Show a job, what it holds at each switch, and its counters since it was added.",
+    )
+    show.add_argument("job_id", type=int)
+    show.add_argument("--json", action="store_true", help="print JSON")
+
+    shadow = commands.add_parser(
+        "shadow", help="shadow assignment", description="Change which shadow gets a shard."
+    )
+    shadow_cmds = shadow.add_subparsers(dest="action", metavar="ACTION", required=True)
+    move = shadow_cmds.add_parser(
+        "move",
+        help="re-point a job's shard to another shadow",
+        description="Re-point one shard of a job to another shadow "
+        "(control plane only; workers are untouched).",
+    )
+    move.add_argument("--job", type=int, required=True, help="job id")
+    move.add_argument("--shard", type=int, required=True, help="shard key")
+    move.add_argument("--to", required=True, help="the shadow host that gets the shard")
+
+    commands.add_parser(
+        "reconcile",
+        help="make every switch match the registry and network",
+        description="Read every switch back; add missing entries, fix differing ones, remove stale ones.",
+    )
+    return parser
+
+
+def _job_spec(args: argparse.Namespace, parser: argparse.ArgumentParser) -> JobSpec:
+    inline = [args.job_id, args.workers, args.shadows]
+    if args.spec is not None:
+        if any(v is not None for v in inline) or args.shard or args.shadow_port is not None:
+            parser.error("job add: give either --spec or --job-id/--workers/--shadows, not both")
+        try:
+            return JobSpec.loads(args.spec.read_text())
+        except OSError as exc:
+            raise JobSpecError(f"cannot read {args.spec}: {exc.strerror}") from None
+    if any(v is None for v in inline):
+        parser.error("job add: --job-id, --workers and --shadows are required (or --spec FILE)")
+    shards: dict[int, str] = {}
+    for key, shadow in args.shard:
+        if key in shards:
+            raise JobSpecError(f"shard {key} is given twice")
+        shards[key] = shadow
+    kwargs = {} if args.shadow_port is None else {"shadow_port": args.shadow_port}
+    return JobSpec(args.job_id, tuple(args.workers), tuple(args.shadows), shards, **kwargs)
+
+
+def _print_job_line(record_spec: JobSpec, slot: int) -> None:
+    shards = ", ".join(f"{k}->{s}" for k, s in sorted(record_spec.shard_to_shadow.items()))
+    print(
+        f"job {record_spec.job_id}  slot {slot}  workers {','.join(record_spec.workers)}  "
+        f"shadows {','.join(record_spec.shadows)}  shards {shards}"
+    )
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    state_dir = args.state_dir if args.state_dir is not None else default_state_dir()
+    if args.command == "job" and args.action == "list":
+        with Registry(state_dir) as registry:
+            records = registry.jobs()
+        if not records:
+            print(f"no jobs registered (registry: {state_dir})")
+        for record in records:
+            _print_job_line(record.spec, record.slot)
+        return 0
+
+    if args.network is None:
+        parser.error("--network FILE is required for this command (or set $CHECKMATE_NETWORK)")
+    network = Network.load(args.network)
+    spec = _job_spec(args, parser) if args.command == "job" and args.action == "add" else None
+    with Controller(network, state_dir, args.election_id, args.timeout, args.max_groups) as ctl:
+        if args.command == "pipeline":
+            if (args.tofino_bin is None) != (args.tofino_context is None):
+                parser.error("pipeline push: --tofino-bin and --tofino-context go together")
+            if args.bmv2_json is not None and args.tofino_bin is not None:
+                parser.error("pipeline push: --bmv2-json and --tofino-* are for different targets")
+            try:
+                if args.bmv2_json is not None:
+                    config = PipelineConfig.bmv2(args.p4info, args.bmv2_json)
+                elif args.tofino_bin is not None:
+                    config = PipelineConfig.tofino(args.p4info, args.tofino_bin, args.tofino_context)
+                else:
+                    config = PipelineConfig.embedded(args.p4info)
+            except OSError as exc:
+                raise ControllerError(f"cannot read the pipeline files: {exc}") from None
+            report = ctl.push_pipeline(config, reconcile=not args.no_reconcile)
+            print(f"pushed the {config.target.value} pipeline to {', '.join(sorted(network.switches))}")
+            if config.target is Target.EMBEDDED:
+                print("(P4Info only: the embedded target runs the Checkmate program it was built with)")
+            if report is not None:
+                print(f"reconciled: {report.summary()}")
+            return 0
+        if args.command == "reconcile":
+            print(ctl.reconcile().summary())
+            return 0
+        if args.command == "forwarding":
+            report = ctl.install_forwarding()
+            print(f"forwarding: {report.summary()}")
+            return 0
+        writes = (args.command == "job" and args.action in ("add", "remove")) or args.command == "shadow"
+        if writes and not args.no_reconcile:
+            report = ctl.reconcile()
+            if report.changes or report.skipped_jobs:
+                print(f"reconciled on start: {report.summary()}")
+        if args.command == "shadow":
+            record = ctl.move_shard(args.job, args.shard, args.to)
+            print(f"job {args.job}: shard {args.shard} now goes to {args.to}")
+            _print_job_line(record.spec, record.slot)
+            return 0
+        if args.action == "add":
+            assert spec is not None
+            record = ctl.add_job(spec)
+            print(
+                f"job {spec.job_id} added: slot {record.slot}, {len(record.groups)} multicast group(s), "
+                f"{len(record.rids)} shadow rewrite(s)"
+            )
+            return 0
+        if args.action == "remove":
+            ctl.remove_job(args.job_id)
+            print(f"job {args.job_id} removed")
+            return 0
+        if args.action == "show":
+            _show(ctl, args.job_id, args.json)
+            return 0
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+def _show(ctl: Controller, job_id: int, as_json: bool) -> None:
+    status = ctl.job_status(job_id)
+    record = status.record
+    if as_json:
+        out = {
+            "job": record.spec.to_json(),
+            "slot": record.slot,
+            "groups": [
+                {"switch": s, "next_hop_port": p, "shadow": sh, "group_id": g}
+                for (s, p, sh), g in sorted(record.groups.items())
+            ],
+            "rids": [{"switch": s, "shadow": sh, "rid": r} for (s, sh), r in sorted(record.rids.items())],
+            "counters": {
+                switch: {name: {"packets": v.packets, "bytes": v.bytes} for name, v in values.items()}
+                for switch, values in status.counters.items()
+            },
+        }
+        print(json.dumps(out, indent=2))
+        return
+    _print_job_line(record.spec, record.slot)
+    for (switch, port, shadow), group in sorted(record.groups.items()):
+        rid = record.rids[(switch, shadow)]
+        print(f"  {switch}: multicast group {group}: next hop port {port} + copy to {shadow} (rid {rid})")
+    print("  counters since the job was added (packets / bytes):")
+    for switch, values in sorted(status.counters.items()):
+        parts = [f"{name} {v.packets} / {v.bytes}" for name, v in values.items()]
+        print(f"    {switch}: " + ", ".join(parts))
+    copies = status.total("shadow_copies")
+    rejected = status.total("rejected_replications")
+    print(
+        f"  total: shadow_copies {copies.packets} / {copies.bytes}, rejected_replications {rejected.packets}"
+    )
+
+
+def _quiet_p4runtime_shell(record: logging.LogRecord) -> bool:
+    """Drop p4runtime-shell's root-logger CRITICAL lines about streams: our error says it better."""
+    return "p4runtime_sh" not in record.pathname
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``checkmate-ctl``; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose == 0:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_quiet_p4runtime_shell)
+    try:
+        return _run(args, parser)
+    except SystemExit as exc:  # parser.error() after parsing
+        return exc.code if isinstance(exc.code, int) else 2
+    except (ControllerError, NetworkError, JobSpecError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Pushing the Checkmate pipeline: P4Info plus the target's device config.
+
+What ``p4_device_config`` holds depends on the target:
+
+* BMv2 (``simple_switch_grpc``): the JSON p4c writes
+  (``p4c --target bmv2 --arch v1model``, ``make p4``), as bytes.
+* The embedded target (``checkmate-switch``): nothing. It runs exactly one
+  program and checks that the P4Info describes it.
+* Tofino (Stratum or bf_switchd's P4Runtime server, not testable here): the
+  "packed" config of bf-p4c's outputs, built by :func:`pack_tofino_config`:
+  ``<u32 LE len(program name)> name <u32 LE len(tofino.bin)> tofino.bin
+  <u32 LE len(context.json)> context.json``. TNA's P4Info qualifies names with
+  ``pipe.``; the controller resolves unqualified names, so nothing else changes.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from p4.config.v1 import p4info_pb2
+
+from controller.p4info_names import load_p4info
+from controller.switch_connection import PIPELINE_TIMEOUT_S, SwitchConnection
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_P4INFO = REPO_ROOT / "p4src" / "checkmate.p4info.txt"
+DEFAULT_BMV2_JSON = REPO_ROOT / "build" / "v1model" / "checkmate.json"
+
+
+class Target(enum.Enum):
+    EMBEDDED = "embedded"
+    BMV2 = "bmv2"
+    TOFINO = "tofino"
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """A P4Info and the device config bytes for one target."""
+
+    target: Target
+    p4info: p4info_pb2.P4Info
+    device_config: bytes = b""
+
+    @classmethod
+    def embedded(cls, p4info_path: str | Path = DEFAULT_P4INFO) -> PipelineConfig:
+        return cls(Target.EMBEDDED, load_p4info(p4info_path))
+
+    @classmethod
+    def bmv2(cls, p4info_path: str | Path, bmv2_json: str | Path) -> PipelineConfig:
+        return cls(Target.BMV2, load_p4info(p4info_path), Path(bmv2_json).read_bytes())
+
+    @classmethod
+    def tofino(
+        cls,
+        p4info_path: str | Path,
+        tofino_bin: str | Path,
+        context_json: str | Path,
+        program: str = "checkmate",
+    ) -> PipelineConfig:
+        config = pack_tofino_config(program, Path(tofino_bin).read_bytes(), Path(context_json).read_bytes())
+        return cls(Target.TOFINO, load_p4info(p4info_path), config)
+
+
+def pack_tofino_config(program: str, tofino_bin: bytes, context_json: bytes) -> bytes:
+    """The packed ``p4_device_config`` a Tofino P4Runtime server takes (see the module docstring)."""
+    name = program.encode()
+    parts = [struct.pack("<I", len(name)), name]
+    parts += [struct.pack("<I", len(tofino_bin)), tofino_bin]
+    parts += [struct.pack("<I", len(context_json)), context_json]
+    return b"".join(parts)
+
+
+def push_pipeline(
+    connection: SwitchConnection, config: PipelineConfig, timeout: float = PIPELINE_TIMEOUT_S
+) -> None:
+    """SetForwardingPipelineConfig(VERIFY_AND_COMMIT): the switch's entries are gone afterwards."""
+    logger.info(
+        "switch %s: pushing the %s pipeline (%d tables, %d bytes of device config)",
+        connection.name,
+        config.target.value,
+        len(config.p4info.tables),
+        len(config.device_config),
+    )
+    connection.set_pipeline(config.p4info, config.device_config, timeout=timeout)
