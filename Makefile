@@ -41,6 +41,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION) numpy
 	$(PY) -m pip install -q -e '.[dev]'
+	@# Debian's Mininet lives in the system dist-packages: link that one package into .venv (idempotent).
+	@$(PY) -m topologies.mininet_import --link
 	@touch $(STAMP)
 	@echo "make setup: .venv ready"
 
@@ -61,6 +63,10 @@ p4:
 	  --p4runtime-files $(BUILD)/v1model/checkmate.p4info.txt \
 	  -o $(BUILD)/v1model p4src/v1model/checkmate.p4
 	@echo "make p4: wrote $(BUILD)/v1model/checkmate.json and checkmate.p4info.txt"
+
+bench-switch: setup
+	@if [ "$$(id -u)" != 0 ]; then echo "make bench-switch: needs root (network namespaces)"; exit 1; fi
+	$(PY) -m embedded_switch.benchmark $(BENCH_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,115 @@
+"""Switch targets: which binary runs a switch, and its command line.
+
+Both targets take ``simple_switch_grpc``'s command-line shape, so one
+:class:`SwitchConfig` describes a switch for either: ports as ``-i N@IFACE``,
+``--device-id``, the P4Runtime address, an optional CPU port, a log and a pcap
+folder. The only difference is that BMv2 reads its gRPC options after ``--``
+(they belong to the ``simple_switch_grpc`` target, not the BMv2 core), and
+``checkmate-switch`` accepts and ignores that ``--``: the command line is the
+same for both, only the binary differs.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_P4INFO = REPO_ROOT / "p4src" / "checkmate.p4info.txt"
+DEFAULT_BMV2_JSON = REPO_ROOT / "build" / "v1model" / "checkmate.json"
+
+
+class Target(enum.Enum):
+    """The switch implementation a network runs on."""
+
+    EMBEDDED = "embedded"
+    """``checkmate-switch``: the Checkmate pipeline in software (always available)."""
+    BMV2 = "bmv2"
+    """``simple_switch_grpc`` from p4lang/behavioral-model (optional)."""
+
+    @property
+    def binary(self) -> str:
+        return BINARIES[self]
+
+
+BINARIES: dict[Target, str] = {Target.EMBEDDED: "checkmate-switch", Target.BMV2: "simple_switch_grpc"}
+
+
+class TargetError(RuntimeError):
+    """A target that cannot run here; the message says what is missing and how to get it."""
+
+
+def find_tool(name: str, search_path: str | None = None) -> str | None:
+    """``name`` on PATH, else next to this Python (``.venv/bin`` when PATH lacks it)."""
+    found = shutil.which(name, path=search_path)
+    if found is not None:
+        return found
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None
+
+
+def find_binary(target: Target, search_path: str | None = None) -> str:
+    """The absolute path of the target's binary, or TargetError naming what to install."""
+    found = find_tool(target.binary, search_path)
+    if found is not None:
+        return found
+    if target is Target.BMV2:
+        raise TargetError(
+            "--target bmv2: simple_switch_grpc is not on PATH. Build BMv2 with its gRPC server "
+            "from p4lang/behavioral-model (it is not packaged for Debian 12), or use --target embedded"
+        )
+    raise TargetError(
+        "checkmate-switch is not installed: run `make setup`, which installs the project into .venv"
+    )
+
+
+def pipeline_files(target: Target) -> tuple[Path, Path | None]:
+    """P4Info and (for BMv2) the compiled JSON the controller pushes; TargetError if missing."""
+    if not DEFAULT_P4INFO.is_file():
+        raise TargetError(f"the P4Info {DEFAULT_P4INFO} is missing from the checkout")
+    if target is Target.BMV2:
+        if not DEFAULT_BMV2_JSON.is_file():
+            raise TargetError(f"--target bmv2 needs the compiled program {DEFAULT_BMV2_JSON}: run `make p4`")
+        return DEFAULT_P4INFO, DEFAULT_BMV2_JSON
+    return DEFAULT_P4INFO, None
+
+
+@dataclass(frozen=True)
+class SwitchConfig:
+    """Everything needed to start one switch process."""
+
+    name: str
+    device_id: int
+    grpc_address: str
+    ports: dict[int, str] = field(default_factory=dict)
+    """Switch port number -> interface name in the switch's (root) namespace."""
+    cpu_port: int | None = None
+    thrift_port: int | None = None
+    """BMv2's runtime CLI port (every simple_switch_grpc needs its own); checkmate-switch ignores it."""
+    log_file: Path | None = None
+    pcap_dir: Path | None = None
+
+    def command(self, binary: str) -> list[str]:
+        """The command line that starts this switch (the same for both targets)."""
+        argv = [binary]
+        for port, interface in sorted(self.ports.items()):
+            argv += ["-i", f"{port}@{interface}"]
+        argv += ["--device-id", str(self.device_id)]
+        if self.thrift_port is not None:
+            argv += ["--thrift-port", str(self.thrift_port)]
+        if self.pcap_dir is not None:
+            argv += ["--pcap", str(self.pcap_dir)]
+        # Logs go to stdout, which the runner sends to log_file: startup errors land there too.
+        # simple_switch_grpc logs every packet at its default level (trace): far too slow.
+        argv += ["--log-console", "--log-level", "info", "--no-p4"]
+        argv += ["--", "--grpc-server-addr", self.grpc_address]
+        if self.cpu_port is not None:
+            argv += ["--cpu-port", str(self.cpu_port)]
+        return argv
