@@ -1,0 +1,328 @@
+"""The control channel's messages: what a job's rank 0 tells its shadows, besides the gradients.
+
+Shared by the host agent (``hosts.control_channel``, the sender) and the
+shadow (the receiver), like :mod:`checkmate.wire` is for the data path; the
+format is specified in docs/protocol.md ("Control channel").
+
+A TCP connection carries frames::
+
+    magic "CMC1" | json_len: u32 BE | blob_len: u64 BE | JSON (UTF-8) | blob
+
+The JSON object has a ``"type"`` (``job_start``, ``bucket_layout``,
+``commit``, ``certified``, ``goodbye``) and the message's fields. Tensors
+travel in the blob as raw little-endian memory images; the JSON lists each as
+``{"key", "dtype", "shape", "offset", "nbytes"}`` with its offset in the blob.
+Every read and write takes a timeout; a malformed frame raises
+:class:`ControlProtocolError`.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import sys
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+MAGIC = b"CMC1"
+_PREFIX = struct.Struct("!4sIQ")
+MAX_JSON_BYTES = 64 << 20
+MAX_BLOB_BYTES = 1 << 40
+DEFAULT_CONTROL_PORT = 48880
+"""TCP port a shadow listens on for its control channel, unless the job says otherwise."""
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+if sys.byteorder != "little":  # pragma: no cover - no big-endian host is supported
+    raise ImportError("checkmate.control assumes a little-endian host")
+
+
+class ControlProtocolError(ValueError):
+    """A frame or message that does not follow docs/protocol.md; the message says why."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ControlProtocolError(f"tensor dtype {dtype} cannot travel on the control channel") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ControlProtocolError(f"unknown tensor dtype {name!r}") from None
+
+
+# ---- messages ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamSpec:
+    """A model parameter: fully-qualified name (``model.named_parameters()``), shape, dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ParamSlice:
+    """Where a parameter's gradient lies in a bucket: ``numel`` elements from ``offset``."""
+
+    name: str
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """One DDP gradient bucket: its id on the wire, dtype, size, shard key and parameters."""
+
+    bucket_id: int
+    dtype: str
+    num_elements: int
+    shard_key: int
+    params: tuple[ParamSlice, ...]
+
+
+@dataclass
+class JobStart:
+    """Rank 0 -> shadow, first on every (re)connection: the model, optimizer and state.
+
+    ``tensors`` holds ``param/<name>`` for every parameter and
+    ``state/<name>/<key>`` for every tensor in the optimizer state;
+    non-tensor optimizer state is in ``optimizer_scalars[name][key]``. The
+    state is the one *before* iteration ``start_iteration``'s optimizer step.
+    """
+
+    TYPE: ClassVar[str] = "job_start"
+    job_id: int
+    world_size: int
+    workers: list[tuple[str, int]]
+    """Worker data addresses in ring order (where to send REPAIR_REQUESTs)."""
+    parameters: list[ParamSpec]
+    optimizer: dict[str, Any]
+    """``{"kind": "SGD"|"Adam"|..., "param_groups": [hyperparameters + "params": [names]]}``."""
+    start_iteration: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    optimizer_scalars: dict[str, dict[str, Any]] = field(default_factory=dict)
+    job: dict[str, Any] | None = None
+    """The job description (``JobSpec.to_json()``) when the workers have one."""
+
+
+@dataclass
+class BucketLayout:
+    """Rank 0 -> shadow: the bucket layout from ``first_iteration`` on (sent again when DDP rebuilds it)."""
+
+    TYPE: ClassVar[str] = "bucket_layout"
+    job_id: int
+    first_iteration: int
+    buckets: list[BucketSpec]
+
+
+@dataclass
+class Commit:
+    """Rank 0 -> shadow, once per iteration after the optimizer step (or its skip)."""
+
+    TYPE: ClassVar[str] = "commit"
+    job_id: int
+    iteration: int
+    learning_rates: list[float]
+    """``lr`` of each param group as the step used it, in group order."""
+    clip_coefficient: float | None = None
+    """The clamped float32 coefficient ``clip_grad_norm_`` multiplied the gradients by (exact)."""
+    skip_step: bool = False
+    """No optimizer step happened for this iteration (e.g. the loss scaler found inf/nan)."""
+    hyperparameters: list[dict[str, Any]] = field(default_factory=list)
+    """Per group, the scalar hyperparameters that changed since the last message (often empty)."""
+    optimizer_step: int = 0
+    """How many optimizer steps the workers have taken, this one included."""
+
+
+@dataclass
+class Certified:
+    """Shadow -> rank 0: this shadow has applied every iteration up to ``iteration``."""
+
+    TYPE: ClassVar[str] = "certified"
+    job_id: int
+    shadow: str
+    iteration: int
+
+
+@dataclass
+class Goodbye:
+    """Either side: the sender closes the connection on purpose."""
+
+    TYPE: ClassVar[str] = "goodbye"
+    job_id: int
+    reason: str = ""
+
+
+Message = JobStart | BucketLayout | Commit | Certified | Goodbye
+_TYPES: dict[str, type] = {cls.TYPE: cls for cls in (JobStart, BucketLayout, Commit, Certified, Goodbye)}
+
+
+# ---- encoding ---------------------------------------------------------------------------
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    t = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.view(torch.int16)
+    if t.dtype is torch.bool:
+        t = t.view(torch.uint8)
+    return t.numpy().data.cast("B")
+
+
+def encode_message(message: Message) -> list[bytes | memoryview]:
+    """The frame for ``message`` as buffers for ``sendmsg``/``sendall`` (tensor bytes not copied)."""
+    body: dict[str, Any] = {"type": message.TYPE}
+    blobs: list[memoryview] = []
+    if isinstance(message, JobStart):
+        offset = 0
+        listing = []
+        for key, tensor in message.tensors.items():
+            data = _tensor_bytes(tensor)
+            listing.append(
+                {
+                    "key": key,
+                    "dtype": dtype_name(tensor.dtype),
+                    "shape": list(tensor.shape),
+                    "offset": offset,
+                    "nbytes": len(data),
+                }
+            )
+            blobs.append(data)
+            offset += len(data)
+        body.update(
+            job_id=message.job_id,
+            world_size=message.world_size,
+            workers=[list(w) for w in message.workers],
+            parameters=[
+                {"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in message.parameters
+            ],
+            optimizer=message.optimizer,
+            start_iteration=message.start_iteration,
+            tensors=listing,
+            optimizer_scalars=message.optimizer_scalars,
+            job=message.job,
+        )
+    elif isinstance(message, BucketLayout):
+        body.update(
+            job_id=message.job_id,
+            first_iteration=message.first_iteration,
+            buckets=[
+                {
+                    "bucket_id": b.bucket_id,
+                    "dtype": b.dtype,
+                    "num_elements": b.num_elements,
+                    "shard_key": b.shard_key,
+                    "params": [{"name": p.name, "offset": p.offset, "numel": p.numel} for p in b.params],
+                }
+                for b in message.buckets
+            ],
+        )
+    else:
+        body.update({k: v for k, v in vars(message).items()})
+    try:
+        text = json.dumps(body, allow_nan=True, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as exc:
+        raise ControlProtocolError(f"{message.TYPE} message is not JSON-serialisable: {exc}") from None
+    blob_len = sum(len(b) for b in blobs)
+    return [_PREFIX.pack(MAGIC, len(text), blob_len), text, *blobs]
+
+
+def decode_message(
+    text: bytes | bytearray | memoryview, blob: bytes | bytearray | memoryview = b""
+) -> Message:
+    """Parse one frame's JSON and blob into a message."""
+    try:
+        body = json.loads(bytes(text))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ControlProtocolError(f"frame JSON is invalid: {exc}") from None
+    if not isinstance(body, dict) or "type" not in body:
+        raise ControlProtocolError("frame JSON is not an object with a 'type'")
+    kind = body.pop("type")
+    cls = _TYPES.get(kind)
+    if cls is None:
+        raise ControlProtocolError(f"unknown control message type {kind!r}; known: {sorted(_TYPES)}")
+    try:
+        if cls is JobStart:
+            tensors: dict[str, torch.Tensor] = {}
+            view = memoryview(blob)
+            for entry in body.pop("tensors"):
+                lo, n = int(entry["offset"]), int(entry["nbytes"])
+                if lo < 0 or lo + n > len(view):
+                    raise ControlProtocolError(f"tensor {entry['key']!r} lies outside the blob")
+                dtype = torch_dtype(entry["dtype"])
+                raw = bytearray(view[lo : lo + n])
+                flat = torch.frombuffer(raw, dtype=dtype) if n else torch.empty(0, dtype=dtype)
+                tensors[entry["key"]] = flat.reshape(entry["shape"])
+            body["parameters"] = [
+                ParamSpec(p["name"], tuple(p["shape"]), p["dtype"]) for p in body.pop("parameters")
+            ]
+            body["workers"] = [(str(h), int(p)) for h, p in body.pop("workers")]
+            return JobStart(tensors=tensors, **body)
+        if cls is BucketLayout:
+            body["buckets"] = [
+                BucketSpec(
+                    bucket_id=b["bucket_id"],
+                    dtype=b["dtype"],
+                    num_elements=b["num_elements"],
+                    shard_key=b["shard_key"],
+                    params=tuple(ParamSlice(p["name"], p["offset"], p["numel"]) for p in b["params"]),
+                )
+                for b in body.pop("buckets")
+            ]
+        message: Message = cls(**body)
+        return message
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        if isinstance(exc, ControlProtocolError):
+            raise
+        raise ControlProtocolError(f"bad {kind} message: {exc}") from None
+
+
+# ---- sockets ----------------------------------------------------------------------------
+def send_message(sock: socket.socket, message: Message, timeout: float) -> None:
+    """Write one frame; raises OSError (TimeoutError included) if it cannot within ``timeout``."""
+    sock.settimeout(timeout)
+    for part in encode_message(message):
+        sock.sendall(part)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], min(n - got, 1 << 22))
+        if k == 0:
+            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return buf
+
+
+def recv_message(sock: socket.socket, timeout: float) -> Message:
+    """Read one frame (each socket read waits at most ``timeout`` seconds)."""
+    sock.settimeout(timeout)
+    magic, json_len, blob_len = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size))
+    if magic != MAGIC:
+        raise ControlProtocolError(f"bad frame magic {magic!r}, expected {MAGIC!r}")
+    if json_len > MAX_JSON_BYTES or blob_len > MAX_BLOB_BYTES:
+        raise ControlProtocolError(f"frame too large: json {json_len} bytes, blob {blob_len} bytes")
+    text = _recv_exact(sock, json_len)
+    blob = _recv_exact(sock, blob_len) if blob_len else bytearray()
+    return decode_message(text, blob)

@@ -1,0 +1,270 @@
+"""Rank 0's control channel to the job's shadows: TCP, one background thread per shadow.
+
+Messages (:mod:`checkmate.control`) are queued by the training thread and
+written by a link thread, so a shadow that is slow, down or unreachable never
+blocks training: connection attempts and writes have timeouts, failures are
+logged and counted, and the link keeps retrying. A link that (re)connects
+needs the *current* state before anything else: it reports
+``needs_state`` and drops commits until the agent hands it a fresh
+:class:`~checkmate.control.JobStart` (taken after an optimizer step) via
+:meth:`ControlChannel.post_state`. Shadows answer with
+:class:`~checkmate.control.Certified` records, which the channel tracks.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from checkmate.control import (
+    Certified,
+    ControlProtocolError,
+    Goodbye,
+    JobStart,
+    Message,
+    recv_message,
+    send_message,
+)
+from hosts.transport import Addr
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    connect_timeout: float = 2.0
+    send_timeout: float = 10.0
+    """Longest a single frame write may take before the link is dropped and retried."""
+    reconnect_interval: float = 1.0
+    queue_limit: int = 4096
+    """Messages waiting per link beyond this are dropped (counted): training never waits."""
+
+
+class ShadowLink:
+    """The connection to one shadow, driven by its own thread."""
+
+    def __init__(
+        self,
+        name: str,
+        address: Addr,
+        config: ControlConfig,
+        job_id: int,
+        on_certified: Callable[[str, Certified], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.job_id = job_id
+        self._busy = False
+        self.address = address
+        self.config = config
+        self.on_certified = on_certified
+        self.counters: dict[str, int] = {}
+        self._queue: deque[Message] = deque()
+        self._cond = threading.Condition()
+        self._sock: socket.socket | None = None
+        self._needs_state = True
+        self._stop = threading.Event()
+        self._last_warning = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"cm-ctl-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    @property
+    def needs_state(self) -> bool:
+        """Connected, but the shadow has not yet been sent the state to start from."""
+        return self._sock is not None and self._needs_state
+
+    def _count(self, name: str) -> None:
+        self.counters[name] = self.counters.get(name, 0) + 1
+
+    def post(self, message: Message) -> None:
+        """Queue a message (never blocks). Dropped while the link is down or unsynchronised."""
+        with self._cond:
+            if self._sock is None or self._needs_state:
+                self._count("dropped_unsynced")
+                return
+            self._enqueue(message)
+
+    def post_state(self, messages: Sequence[Message]) -> None:
+        """Queue a JobStart (and what must follow it) for a link that needs state."""
+        with self._cond:
+            self._queue.clear()
+            for message in messages:
+                self._enqueue(message)
+            self._needs_state = False
+
+    def _enqueue(self, message: Message) -> None:
+        if len(self._queue) >= self.config.queue_limit:
+            self._count("dropped_queue_full")
+            return
+        self._queue.append(message)
+        self._cond.notify()
+
+    def wait_connected(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._sock is not None:
+                return True
+            time.sleep(0.01)
+        return self._sock is not None
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until the queue is written (or the link is down); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._cond:
+                if (not self._queue and not self._busy) or self._sock is None:
+                    return True
+            time.sleep(0.005)
+        return False
+
+    def close(self, timeout: float = 2.0) -> None:
+        with self._cond:
+            if self._sock is not None and not self._needs_state:
+                self._enqueue(Goodbye(job_id=self.job_id, reason="rank 0 closing"))
+        self.flush(timeout)
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join(timeout=timeout)
+        self._drop_connection(None)
+
+    # ---- thread ---------------------------------------------------------------------
+    def _warn(self, text: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last_warning > 30.0:
+            self._last_warning = now
+            logger.warning(text, *args)
+        else:
+            logger.debug(text, *args)
+
+    def _drop_connection(self, reason: str | None) -> None:
+        with self._cond:
+            sock, self._sock = self._sock, None
+            self._needs_state = True
+            self._queue.clear()
+        if sock is not None:
+            sock.close()
+            if reason is not None:
+                self._count("disconnects")
+                self._warn("control link to shadow %s at %s lost: %s", self.name, self.address, reason)
+
+    def _connect(self) -> None:
+        try:
+            sock = socket.create_connection(self.address, timeout=self.config.connect_timeout)
+        except OSError as exc:
+            self._count("connect_failures")
+            self._warn("cannot reach shadow %s at %s: %s (training continues)", self.name, self.address, exc)
+            self._stop.wait(self.config.reconnect_interval)
+            return
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._cond:
+            self._sock = sock
+            self._needs_state = True
+        self._count("connects")
+        logger.info("control link to shadow %s at %s is up", self.name, self.address)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._sock is None:
+                self._connect()
+                continue
+            with self._cond:
+                if not self._queue:
+                    self._cond.wait(timeout=0.05)
+                message = self._queue.popleft() if self._queue else None
+                sock = self._sock
+                self._busy = message is not None
+            if sock is None:
+                continue
+            try:
+                if message is not None:
+                    send_message(sock, message, timeout=self.config.send_timeout)
+                    self._count(f"sent.{message.TYPE}")
+                    if isinstance(message, Goodbye):
+                        self._drop_connection(None)
+                        self._stop.set()
+                        return
+                self._read_replies(sock)
+            except (OSError, ControlProtocolError) as exc:
+                self._drop_connection(str(exc))
+            finally:
+                self._busy = False
+
+    def _read_replies(self, sock: socket.socket) -> None:
+        while True:
+            readable, _, _ = select.select([sock], [], [], 0)
+            if not readable:
+                return
+            reply = recv_message(sock, timeout=self.config.send_timeout)
+            if isinstance(reply, Certified):
+                self._count("certified")
+                if self.on_certified is not None:
+                    self.on_certified(self.name, reply)
+            elif isinstance(reply, Goodbye):
+                raise ConnectionError(f"shadow said goodbye: {reply.reason}")
+            else:
+                self._count("unexpected_reply")
+
+
+class ControlChannel:
+    """Links from rank 0 to every shadow of a job."""
+
+    def __init__(self, job_id: int, shadows: Mapping[str, Addr], config: ControlConfig | None = None) -> None:
+        self.config = config or ControlConfig()
+        self.certified: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.links = [ShadowLink(n, a, self.config, job_id, self._on_certified) for n, a in shadows.items()]
+
+    def _on_certified(self, name: str, message: Certified) -> None:
+        with self._lock:
+            self.certified[name] = max(self.certified.get(name, -1), message.iteration)
+
+    def certified_through(self) -> int | None:
+        """The last iteration every shadow has certified, or None."""
+        with self._lock:
+            if len(self.certified) < len(self.links):
+                return None
+            return min(self.certified.values())
+
+    def wait_connected(self, timeout: float) -> int:
+        """Wait (at most ``timeout`` in all) for the links to connect; how many did."""
+        deadline = time.monotonic() + timeout
+        return sum(link.wait_connected(max(0.0, deadline - time.monotonic())) for link in self.links)
+
+    def needs_state(self) -> bool:
+        return any(link.needs_state for link in self.links)
+
+    def post(self, message: Message) -> None:
+        for link in self.links:
+            link.post(message)
+
+    def post_state(self, make: Callable[[], Sequence[Message]]) -> int:
+        """Hand the state from ``make()`` (a JobStart first) to each link that needs it."""
+        waiting = [link for link in self.links if link.needs_state]
+        if not waiting:
+            return 0
+        messages = make()
+        assert messages and isinstance(messages[0], JobStart)
+        for link in waiting:
+            link.post_state(messages)
+        return len(waiting)
+
+    def flush(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(link.flush(max(0.0, deadline - time.monotonic())) for link in self.links)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {link.name: dict(link.counters, connected=int(link.connected)) for link in self.links}
+
+    def close(self, timeout: float = 2.0) -> None:
+        for link in self.links:
+            link.close(timeout)

@@ -1,0 +1,479 @@
+"""PyTorch DDP integration: one added line puts a job's gradients on Checkmate's transport.
+
+An ordinary DDP script (``torchrun`` + ``init_process_group("gloo")`` +
+``DistributedDataParallel``) adds, after building the model and optimizer::
+
+    hosts.enable_checkmate(ddp_model, optimizer)
+
+which
+
+* reads its configuration (:meth:`CheckmateConfig.from_env`): ``RANK``,
+  ``WORLD_SIZE`` from torchrun, plus ``CHECKMATE_*`` variables or a job file;
+* uses the default process group only for rendezvous (every rank's data
+  address and the job id are exchanged with ``all_gather_object``);
+* starts this rank's :class:`~hosts.transport.Transport` and
+  :class:`~hosts.ring_allreduce.RingAllReduce` and registers a DDP
+  communication hook that all-reduces every gradient bucket over them
+  (average, like DDP's default hook), tagging the reduced chunks for the
+  shadows. CPU buckets are reduced in place of DDP's; CUDA buckets are
+  copied through host memory and the result copied back;
+* registers an optimizer step post-hook that, on rank 0, sends the shadows
+  the iteration's commit record (learning rates, clipping coefficient, skip
+  flag) over the control channel, after the initial state;
+* replaces ``torch.nn.utils.clip_grad_norm_`` with :func:`clip_grad_norm_`,
+  which does exactly the same and records the clamped float32 coefficient
+  for the commit record (scripts that imported the function by name before
+  the call should call ``hosts.clip_grad_norm_`` instead).
+
+Iterations are numbered by all-reduce rounds from 0: every backward pass that
+reduces gradients is one iteration (``no_sync`` micro-batches are not). An
+all-reduced iteration not followed by an optimizer step (a GradScaler skip)
+is committed with ``skip_step=True`` when the next one starts.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkmate.control import (
+    DEFAULT_CONTROL_PORT,
+    BucketLayout,
+    BucketSpec,
+    Commit,
+    JobStart,
+    Message,
+    ParamSlice,
+    ParamSpec,
+    dtype_name,
+)
+from checkmate.job import JobSpec
+from checkmate.wire import CHECKMATE_UDP_PORT
+from hosts.control_channel import ControlChannel, ControlConfig
+from hosts.faults import FaultConfig
+from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig
+from hosts.transport import Addr, Transport, TransportConfig, resolve
+
+logger = logging.getLogger(__name__)
+
+
+class CheckmateConfigError(ValueError):
+    """The environment or job file does not describe a usable Checkmate job."""
+
+
+@dataclass(frozen=True)
+class CheckmateConfig:
+    """What one rank needs; :meth:`from_env` builds it from torchrun's and CHECKMATE_* variables."""
+
+    job_id: int
+    rank: int
+    world_size: int
+    bind: Addr
+    """This rank's data address (UDP)."""
+    workers: tuple[Addr, ...] | None = None
+    """Data addresses in ring order; None: gathered from every rank's ``bind``, in rank order."""
+    job: JobSpec | None = None
+    shadow_control: Mapping[str, Addr] = field(default_factory=dict)
+    """Shadow name -> control-channel TCP address (used by rank 0 only)."""
+    timeout: float = 300.0
+    peer_timeout: float = 30.0
+    keep_iterations: int = 4
+    shadow_connect_timeout: float = 2.0
+    faults: FaultConfig = field(default_factory=FaultConfig)
+
+    def shard_key_for_bucket(self, bucket_id: int) -> int:
+        if self.job is not None:
+            return self.job.shard_key_for_bucket(bucket_id)
+        return bucket_id % max(1, len(self.shadow_control))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> CheckmateConfig:
+        """Read the configuration.
+
+        ``RANK``/``WORLD_SIZE`` (torchrun; else the default process group),
+        ``CHECKMATE_JOB_FILE`` (JSON: ``{"job": <JobSpec>, "worker_addresses":
+        ["ip[:port]", ...] in ring order, "shadow_control": {"name":
+        "ip[:port]"}}``), or: ``CHECKMATE_JOB_ID`` (default 1),
+        ``CHECKMATE_BIND`` (``ip[:port]``; default ``127.0.0.(10+RANK)`` when
+        ``MASTER_ADDR`` is a loopback address), ``CHECKMATE_SHADOWS``
+        (``name=ip:port,...`` or ``ip:port,...``), ``CHECKMATE_TIMEOUT``,
+        ``CHECKMATE_PEER_TIMEOUT``, and for tests ``CHECKMATE_LOSS`` (a send
+        drop fraction) with ``CHECKMATE_FAULT_SEED``.
+        """
+        env = os.environ if environ is None else environ
+        try:
+            rank = int(env["RANK"]) if "RANK" in env else dist.get_rank()
+            world = int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else dist.get_world_size()
+        except (ValueError, RuntimeError) as exc:
+            raise CheckmateConfigError(f"cannot tell this process's rank: {exc}") from None
+        job: JobSpec | None = None
+        workers: tuple[Addr, ...] | None = None
+        shadows: dict[str, Addr] = {}
+        job_id = int(env.get("CHECKMATE_JOB_ID", "1"))
+        if "CHECKMATE_JOB_FILE" in env:
+            path = env["CHECKMATE_JOB_FILE"]
+            try:
+                with open(path, encoding="utf-8") as f:
+                    data = json.load(f)
+            except (OSError, json.JSONDecodeError) as exc:
+                raise CheckmateConfigError(f"cannot read CHECKMATE_JOB_FILE {path}: {exc}") from None
+            job = JobSpec.from_json(data["job"])
+            job_id = job.job_id
+            addresses = data.get("worker_addresses", list(job.workers))
+            workers = tuple(resolve(a) for a in addresses)
+            shadows = {
+                name: resolve(a, DEFAULT_CONTROL_PORT) for name, a in data.get("shadow_control", {}).items()
+            }
+            if len(workers) != world:
+                raise CheckmateConfigError(f"{path} lists {len(workers)} workers but WORLD_SIZE is {world}")
+        for i, item in enumerate(filter(None, env.get("CHECKMATE_SHADOWS", "").split(","))):
+            name, _, address = item.rpartition("=")
+            shadows[name or f"shadow{i}"] = resolve(address, DEFAULT_CONTROL_PORT)
+        if "CHECKMATE_BIND" in env:
+            bind = resolve(env["CHECKMATE_BIND"])
+        elif workers is not None:
+            bind = workers[rank]
+        else:
+            master = env.get("MASTER_ADDR", "127.0.0.1")
+            try:
+                loopback = ipaddress.ip_address(resolve(master)[0]).is_loopback
+            except (OSError, ValueError):
+                loopback = False
+            if not loopback:
+                raise CheckmateConfigError(
+                    "set CHECKMATE_BIND (this rank's data address) or CHECKMATE_JOB_FILE: "
+                    f"MASTER_ADDR {master} is not a loopback address, so 127.0.0.(10+rank) will not do"
+                )
+            bind = (f"127.0.0.{10 + rank}", CHECKMATE_UDP_PORT)
+        faults = FaultConfig(
+            seed=int(env.get("CHECKMATE_FAULT_SEED", "0")) * 1000 + rank,
+            send_drop=float(env.get("CHECKMATE_LOSS", "0")),
+        )
+        return cls(
+            job_id=job_id,
+            rank=rank,
+            world_size=world,
+            bind=bind,
+            workers=workers,
+            job=job,
+            shadow_control=shadows,
+            timeout=float(env.get("CHECKMATE_TIMEOUT", "300")),
+            peer_timeout=float(env.get("CHECKMATE_PEER_TIMEOUT", "30")),
+            faults=faults,
+        )
+
+
+# ---- gradient clipping ------------------------------------------------------------------
+_ORIGINAL_CLIP = torch.nn.utils.clip_grad_norm_
+_AGENTS: list[CheckmateAgent] = []
+_AGENTS_LOCK = threading.Lock()
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``, bit for bit, recording the coefficient it applied.
+
+    Same arithmetic as torch's (``get_total_norm`` then ``clip_grads_with_norm_``);
+    the clamped coefficient ``min(max_norm / (total_norm + 1e-6), 1)`` as a float32
+    goes into the next commit record of the agent owning these parameters.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach)
+    if grads:
+        coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+        ids = {id(p) for p in params}
+        with _AGENTS_LOCK:
+            agents = list(_AGENTS)
+        for agent in agents:
+            agent._record_clip(ids, float(coefficient.to(torch.float32).item()))
+    return total_norm
+
+
+# ---- the agent --------------------------------------------------------------------------
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _hook(agent: CheckmateAgent, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return agent.on_bucket(bucket)
+
+
+# DDP checks the hook's annotations against the real classes (not the postponed strings).
+_hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+
+
+class CheckmateAgent:
+    """One rank's host agent for a DDP model; made by :func:`enable_checkmate`."""
+
+    def __init__(
+        self,
+        ddp_model: torch.nn.parallel.DistributedDataParallel,
+        optimizer: torch.optim.Optimizer,
+        config: CheckmateConfig,
+    ) -> None:
+        self.model = ddp_model
+        self.optimizer = optimizer
+        self.config = config
+        self.rank = config.rank
+        module = ddp_model.module
+        self.names: dict[int, str] = {id(p): n for n, p in module.named_parameters()}
+        self._param_ids = set(self.names)
+        workers = self._rendezvous(config)
+        self.workers = workers
+        self.transport = Transport(
+            TransportConfig(bind=config.bind, peer_timeout=config.peer_timeout, faults=config.faults)
+        )
+        self.ring = RingAllReduce(
+            self.transport,
+            RingConfig(
+                job_id=config.job_id,
+                rank=config.rank,
+                workers=workers,
+                shard_key_for_bucket=config.shard_key_for_bucket,
+                timeout=config.timeout,
+                keep_iterations=config.keep_iterations,
+            ),
+        )
+        self.iteration = 0
+        """The next all-reduce iteration."""
+        self._bucket_layout: dict[int, BucketSpec] = {}
+        self._layout_sent: list[BucketSpec] | None = None
+        self._uncommitted: int | None = None
+        self._clip_coefficient: float | None = None
+        self._last_hyper: list[dict[str, Any]] = []
+        self.optimizer_steps = 0
+        self.commits: list[Commit] = []
+        """Commit records made on this rank (rank 0), for inspection."""
+        self.channel: ControlChannel | None = None
+        if self.rank == 0 and config.shadow_control:
+            self.channel = ControlChannel(
+                config.job_id,
+                config.shadow_control,
+                ControlConfig(connect_timeout=config.shadow_connect_timeout),
+            )
+            up = self.channel.wait_connected(config.shadow_connect_timeout)
+            logger.info("%d of %d shadows reachable at start", up, len(config.shadow_control))
+            self.channel.post_state(lambda: [self._job_start(0)])
+        if dist.is_initialized():
+            dist.barrier()  # every rank's transport is up before the first gradient moves
+        ddp_model.register_comm_hook(self, _hook)
+        self._step_handle = optimizer.register_step_post_hook(self._after_step)
+        with _AGENTS_LOCK:
+            _AGENTS.append(self)
+        torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+        torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+        logger.info(
+            "checkmate: job %d rank %d/%d on %s:%d, ring %s",
+            config.job_id,
+            config.rank,
+            config.world_size,
+            *config.bind,
+            [f"{h}:{p}" for h, p in workers],
+        )
+
+    # ---- set-up ---------------------------------------------------------------------
+    def _rendezvous(self, config: CheckmateConfig) -> tuple[Addr, ...]:
+        mine = (config.job_id, config.bind)
+        if dist.is_initialized():
+            gathered: list[Any] = [None] * config.world_size
+            dist.all_gather_object(gathered, mine)
+        elif config.workers is not None:
+            gathered = [(config.job_id, w) for w in config.workers]
+        else:
+            raise CheckmateConfigError("no process group to exchange addresses and no worker list")
+        jobs = {g[0] for g in gathered}
+        if len(jobs) != 1:
+            raise CheckmateConfigError(f"ranks disagree on the job id: {sorted(jobs)}")
+        if config.workers is not None:
+            listed = [tuple(w) for w in config.workers]
+            actual = [tuple(g[1]) for g in gathered]
+            if listed != actual:
+                raise CheckmateConfigError(f"ranks bind {actual} but the job lists {listed} in ring order")
+            return tuple(config.workers)
+        return tuple((str(g[1][0]), int(g[1][1])) for g in gathered)
+
+    def _job_start(self, start_iteration: int) -> JobStart:
+        module = self.model.module
+        tensors: dict[str, torch.Tensor] = {}
+        params = []
+        for name, p in module.named_parameters():
+            params.append(ParamSpec(name, tuple(p.shape), dtype_name(p.dtype)))
+            tensors[f"param/{name}"] = p.detach().to("cpu", copy=True)
+        state = self.optimizer.state_dict()
+        index_to_name: dict[int, str] = {}
+        groups = []
+        for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
+            for p, index in zip(group["params"], saved["params"], strict=True):
+                index_to_name[index] = self.names[id(p)]
+            hyper = {k: _plain(v) for k, v in group.items() if k != "params"}
+            hyper["params"] = [self.names[id(p)] for p in group["params"]]
+            groups.append(hyper)
+        scalars: dict[str, dict[str, Any]] = {}
+        for index, per_param in state["state"].items():
+            name = index_to_name[index]
+            for key, value in per_param.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"state/{name}/{key}"] = value.detach().to("cpu", copy=True)
+                else:
+                    scalars.setdefault(name, {})[key] = value
+        self._last_hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        return JobStart(
+            job_id=self.config.job_id,
+            world_size=self.config.world_size,
+            workers=list(self.workers),
+            parameters=params,
+            optimizer={"kind": type(self.optimizer).__name__, "param_groups": groups},
+            start_iteration=start_iteration,
+            tensors=tensors,
+            optimizer_scalars=scalars,
+            job=self.config.job.to_json() if self.config.job is not None else None,
+        )
+
+    # ---- the communication hook -----------------------------------------------------
+    def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        index = bucket.index()
+        if not self._bucket_layout and self._uncommitted is not None:
+            self._commit(self._uncommitted, skipped=True)
+        offset = 0
+        slices = []
+        for p in bucket.parameters():
+            slices.append(ParamSlice(self.names.get(id(p), f"<unnamed:{id(p)}>"), offset, p.numel()))
+            offset += p.numel()
+        self._bucket_layout[index] = BucketSpec(
+            bucket_id=index,
+            dtype=dtype_name(buffer.dtype),
+            num_elements=buffer.numel(),
+            shard_key=self.config.shard_key_for_bucket(index),
+            params=tuple(slices),
+        )
+        future = self.ring.allreduce_async(self.iteration, index, buffer, ReduceOp.AVG)
+        if bucket.is_last():
+            self._end_of_iteration()
+        if buffer.device.type != "cpu":
+            device = buffer.device
+
+            def to_device(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+                return fut.value().to(device)
+
+            return future.then(to_device)
+        return future
+
+    def _end_of_iteration(self) -> None:
+        layout = [self._bucket_layout[i] for i in sorted(self._bucket_layout)]
+        if layout != self._layout_sent:
+            self._layout_sent = layout
+            if self.channel is not None:
+                self.channel.post(BucketLayout(self.config.job_id, self.iteration, layout))
+        self._bucket_layout = {}
+        self._uncommitted = self.iteration
+        self.iteration += 1
+
+    # ---- the optimizer step post-hook -----------------------------------------------
+    def _record_clip(self, parameter_ids: set[int], coefficient: float) -> None:
+        if parameter_ids & self._param_ids:
+            self._clip_coefficient = coefficient
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.optimizer_steps += 1
+        if self._uncommitted is None:
+            return
+        iteration = self._uncommitted
+        self._commit(iteration, skipped=False)
+        if self.channel is not None and self.channel.needs_state():
+            self.channel.post_state(lambda: self._state_messages(iteration + 1))
+        self.ring.release_through(iteration - self.config.keep_iterations)
+
+    def _state_messages(self, start_iteration: int) -> list[Message]:
+        messages: list[Message] = [self._job_start(start_iteration)]
+        if self._layout_sent is not None:
+            messages.append(BucketLayout(self.config.job_id, start_iteration, self._layout_sent))
+        return messages
+
+    def _commit(self, iteration: int, skipped: bool) -> None:
+        self._uncommitted = None
+        coefficient, self._clip_coefficient = self._clip_coefficient, None
+        if self.rank != 0:
+            return
+        changed: list[dict[str, Any]] = []
+        for i, group in enumerate(self.optimizer.param_groups):
+            now = {k: _plain(v) for k, v in group.items() if k not in ("params", "lr")}
+            before = self._last_hyper[i] if i < len(self._last_hyper) else {}
+            changed.append({k: v for k, v in now.items() if before.get(k) != v})
+            if i < len(self._last_hyper):
+                self._last_hyper[i].update(now)
+        commit = Commit(
+            job_id=self.config.job_id,
+            iteration=iteration,
+            learning_rates=[float(_plain(g["lr"])) for g in self.optimizer.param_groups],
+            clip_coefficient=None if skipped else coefficient,
+            skip_step=skipped,
+            hyperparameters=changed if any(changed) else [],
+            optimizer_step=self.optimizer_steps,
+        )
+        self.commits.append(commit)
+        if self.channel is not None:
+            self.channel.post(commit)
+
+    # ---- teardown -------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"transport": self.transport.stats(), "ring": self.ring.stats()}
+        if self.channel is not None:
+            out["control"] = self.channel.stats()
+        return out
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flush the control channel, drain the transport, stop the threads, restore clip_grad_norm_.
+
+        Collective: every rank must call it (it ends with a barrier on the default group).
+        """
+        if self._uncommitted is not None:
+            self._commit(self._uncommitted, skipped=True)
+        self._step_handle.remove()
+        with _AGENTS_LOCK:
+            if self in _AGENTS:
+                _AGENTS.remove(self)
+            if not _AGENTS:
+                torch.nn.utils.clip_grad_norm_ = _ORIGINAL_CLIP
+                torch.nn.utils.clip_grad.clip_grad_norm_ = _ORIGINAL_CLIP
+        if self.channel is not None:
+            self.channel.flush(timeout)
+            self.channel.close(timeout)
+        # Drain while every peer still listens (its last ACKs may need a retransmission), then
+        # wait for all ranks before closing sockets. close() is collective, like DDP itself.
+        if not self.transport.wait_idle(timeout):
+            logger.warning("checkmate: unacknowledged datagrams left at close: %s", self.transport.stats())
+        if dist.is_initialized():
+            dist.barrier()
+        self.ring.close()
+        self.transport.close()
+
+
+def enable_checkmate(
+    ddp_model: torch.nn.parallel.DistributedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    config: CheckmateConfig | None = None,
+) -> CheckmateAgent:
+    """The one line to add to a DDP script (after ``init_process_group`` and the optimizer)."""
+    return CheckmateAgent(ddp_model, optimizer, config or CheckmateConfig.from_env())

@@ -1,0 +1,576 @@
+"""Ring all-reduce over the host transport, with the all-gather's first transmissions tagged.
+
+The algorithm
+-------------
+A bucket of ``n`` elements is cut into ``N`` chunks (``N`` = world size),
+chunk ``c`` = elements ``[c*n//N, (c+1)*n//N)``, and each chunk into datagrams
+of at most ``MAX_PAYLOAD_BYTES`` (the *slot grid*, identical on every rank).
+Rank ``r`` sends only to ``next = r+1 mod N`` and receives only from
+``prev = r-1 mod N``.
+
+* **Reduce-scatter.** Chunk ``c`` starts at rank ``c``, which sends its own
+  values; each following rank adds its values to what arrives and forwards
+  the sum, until rank ``c-1`` (the chunk's *owner*) holds the full sum.
+* **All-gather.** The owner sends the reduced chunk on, each rank stores it
+  and forwards it, until rank ``c-2`` has it.
+
+Work is driven per datagram (cut-through), not per step: each received slot
+is reduced and forwarded at once, so many steps overlap. Every element's
+all-gather copy depends causally on its reduce-scatter copy having passed
+this rank, so the first arrival of a slot is its reduce-scatter half and the
+second its all-gather half; no phase field is needed on the wire.
+
+Reduction order (deterministic, for reference sums in tests)
+------------------------------------------------------------
+Element ``e`` of chunk ``c`` ends up as::
+
+    acc = x[c][e]
+    for j in 1 .. N-1:  acc = acc + x[(c + j) % N][e]     # IEEE add in the bucket dtype
+
+where ``x[k]`` is rank ``k``'s input, already divided by ``N`` for
+``ReduceOp.AVG`` (like DDP's default hook: divide first, then sum, so the
+wire carries the final averaged values). With 2 ranks this is ``x0 + x1``,
+bit-identical to gloo. Every rank ends with the same bits, because every
+rank copies the owner's sum.
+
+Tags
+----
+The owner's first transmission of each reduced slot carries REPLICATE, the
+iteration, bucket, element offset and the bucket's shard key
+(``JobSpec.shard_key_for_bucket``); forwarders never tag. So each reduced
+element crosses to a shadow once per iteration, and no extra bytes are sent.
+Every tag is also recorded (:attr:`RingAllReduce.tag_log`, ``on_tag``).
+
+Repairs
+-------
+Reduced buckets of the last ``keep_iterations`` iterations are kept (zero
+copy: the result tensor itself). A shadow's REPAIR_REQUEST for element ranges
+is answered with untagged REPAIR_DATA; a range no longer held is answered
+with a NACK (docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from checkmate.tensors import payload_tensor, tensor_payload, wire_dtype
+from checkmate.wire import MAX_PAYLOAD_BYTES, CheckmateHeader, DType, Flags, MessageType
+from hosts.transport import Addr, PeerTimeoutError, Transport
+
+logger = logging.getLogger(__name__)
+
+MAX_BUCKET_ID = (1 << 16) - 1
+MAX_ITERATION = (1 << 32) - 1
+_PAIR = struct.Struct("!II")
+
+
+class ReduceOp(enum.Enum):
+    SUM = "sum"
+    AVG = "avg"
+    """Divide each input by the world size, then sum (what DDP's default hook does)."""
+
+
+class CollectiveError(RuntimeError):
+    """The all-reduce cannot complete (a peer failed, or this engine was closed)."""
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """An all-reduce did not complete within its timeout; the message names the peer waited for."""
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    job_id: int
+    rank: int
+    workers: tuple[Addr, ...]
+    """Worker data addresses in ring order (index = rank)."""
+    shard_key_for_bucket: Callable[[int], int] = lambda bucket: 0
+    timeout: float = 60.0
+    """Seconds an all-reduce may take before it fails with CollectiveTimeoutError."""
+    keep_iterations: int = 4
+    """Reduced buckets of this many recent iterations are kept for repairs."""
+    future_iterations: int = 4
+    """Data more than this many iterations ahead of this rank's latest started one is dropped as
+    bogus (acknowledged and lost: keep it above how far a peer can legitimately run ahead, which
+    is 1 iteration under DDP)."""
+    max_stash_bytes: int = 1 << 30
+    """Bound on data buffered for buckets this rank has not started yet."""
+
+    def __post_init__(self) -> None:
+        if len(self.workers) < 2:
+            raise ValueError(f"a ring needs at least 2 workers, got {len(self.workers)}")
+        if not 0 <= self.rank < len(self.workers):
+            raise ValueError(f"rank {self.rank} is outside 0..{len(self.workers) - 1}")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+
+@dataclass(frozen=True)
+class TagRecord:
+    """One tagged (REPLICATE) first transmission."""
+
+    iteration: int
+    bucket_id: int
+    element_offset: int
+    element_count: int
+    shard_key: int
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """The slot grid of a bucket: identical on every rank for the same (n, N, dtype size)."""
+
+    bounds: tuple[int, ...]
+    offsets: tuple[int, ...]
+    counts: tuple[int, ...]
+    chunk: tuple[int, ...]
+    last: tuple[bool, ...]
+    chunk_slots: tuple[tuple[int, ...], ...]
+    slot_of: dict[int, int]
+
+
+@functools.lru_cache(maxsize=512)
+def slot_grid(n: int, world: int, per_datagram: int) -> _Grid:
+    """Chunk bounds and datagram slots of an ``n``-element bucket (see the module docstring)."""
+    bounds = tuple(c * n // world for c in range(world + 1))
+    offsets: list[int] = []
+    counts: list[int] = []
+    chunk: list[int] = []
+    last: list[bool] = []
+    chunk_slots: list[tuple[int, ...]] = []
+    for c in range(world):
+        start, end = bounds[c], bounds[c + 1]
+        mine = []
+        for o in range(start, end, per_datagram):
+            mine.append(len(offsets))
+            offsets.append(o)
+            counts.append(min(per_datagram, end - o))
+            chunk.append(c)
+            last.append(o + per_datagram >= end)
+        chunk_slots.append(tuple(mine))
+    return _Grid(
+        bounds=bounds,
+        offsets=tuple(offsets),
+        counts=tuple(counts),
+        chunk=tuple(chunk),
+        last=tuple(last),
+        chunk_slots=tuple(chunk_slots),
+        slot_of={o: i for i, o in enumerate(offsets)},
+    )
+
+
+def reference_allreduce(inputs: Sequence[torch.Tensor], op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+    """The exact result of the ring for these per-rank inputs (same order, same rounding)."""
+    world = len(inputs)
+    xs = [t.reshape(-1) / world if op is ReduceOp.AVG else t.reshape(-1).clone() for t in inputs]
+    n = xs[0].numel()
+    out = torch.empty_like(xs[0])
+    for c in range(world):
+        lo, hi = c * n // world, (c + 1) * n // world
+        acc = xs[c][lo:hi].clone()
+        for j in range(1, world):
+            acc = acc + xs[(c + j) % world][lo:hi]
+        out[lo:hi] = acc
+    return out
+
+
+_RS_DONE = 1
+_FINAL = 2
+
+
+@dataclass
+class _Op:
+    iteration: int
+    bucket_id: int
+    work: torch.Tensor
+    array: np.ndarray | None
+    """float32 numpy view of ``work`` (fast adds); None for 2-byte dtypes."""
+    view: memoryview
+    dtype: DType
+    grid: _Grid
+    state: bytearray
+    remaining: int
+    shard_key: int
+    deadline: float
+    future: torch.futures.Future[torch.Tensor] = field(default_factory=torch.futures.Future)
+    done: bool = False
+    failed: bool = False
+
+
+class RingAllReduce:
+    """Ring all-reduce of flat buckets for one job on one rank, over a shared :class:`Transport`."""
+
+    def __init__(self, transport: Transport, config: RingConfig, tag_log_size: int = 1 << 20) -> None:
+        self.transport = transport
+        self.config = config
+        self.rank = config.rank
+        self.world = config.world_size
+        self.next_addr = config.workers[(self.rank + 1) % self.world]
+        self.prev_rank = (self.rank - 1) % self.world
+        self.prev_addr = config.workers[self.prev_rank]
+        self._lock = threading.RLock()
+        self._ops: dict[tuple[int, int], _Op] = {}
+        self._stash: dict[tuple[int, int], list[tuple[CheckmateHeader, bytes]]] = {}
+        self._stash_bytes = 0
+        self._latest_iteration = -1
+        self._released_through = -1
+        self._failed: CollectiveError | PeerTimeoutError | None = None
+        self._counters: dict[str, int] = {}
+        self.tag_log: deque[TagRecord] = deque(maxlen=tag_log_size)
+        self.on_tag: Callable[[TagRecord], None] | None = None
+        self._stop = threading.Event()
+        peers = {r: a for r, a in enumerate(config.workers) if r != self.rank}
+        transport.add_job(
+            config.job_id,
+            self.rank,
+            peers,
+            on_data=self._on_data,
+            on_request=self._on_repair_request,
+            on_failure=self._on_peer_failure,
+        )
+        self._watchdog = threading.Thread(target=self._watch, name=f"cm-ring-{self.rank}", daemon=True)
+        self._watchdog.start()
+
+    # ---- public API -----------------------------------------------------------------
+    def allreduce_async(
+        self, iteration: int, bucket_id: int, tensor: torch.Tensor, op: ReduceOp = ReduceOp.AVG
+    ) -> torch.futures.Future[torch.Tensor]:
+        """Start reducing ``tensor`` (any device; flattened) as bucket ``bucket_id`` of ``iteration``.
+
+        The input is not modified. The future's value is a new flat CPU tensor
+        holding the result; it is kept (unchanged) for repairs until the
+        iteration is released.
+        """
+        if not 0 <= bucket_id <= MAX_BUCKET_ID:
+            raise ValueError(f"bucket id {bucket_id} is outside 0..{MAX_BUCKET_ID}")
+        if not 0 <= iteration <= MAX_ITERATION:
+            raise ValueError(f"iteration {iteration} is outside 0..{MAX_ITERATION}")
+        dtype = wire_dtype(tensor.dtype)
+        flat = tensor.detach().reshape(-1)
+        if flat.device.type != "cpu":
+            flat = flat.to("cpu")  # through host memory; a fresh tensor
+            work = flat.div_(self.world) if op is ReduceOp.AVG else flat
+        else:
+            work = torch.div(flat, self.world) if op is ReduceOp.AVG else flat.clone()
+        work = work.contiguous()
+        per = MAX_PAYLOAD_BYTES // dtype.itemsize
+        grid = slot_grid(work.numel(), self.world, per)
+        record = _Op(
+            iteration=iteration,
+            bucket_id=bucket_id,
+            work=work,
+            array=work.numpy() if dtype is DType.FP32 else None,
+            view=tensor_payload(work),
+            dtype=dtype,
+            grid=grid,
+            state=bytearray(len(grid.offsets)),
+            remaining=len(grid.offsets),
+            shard_key=self.config.shard_key_for_bucket(bucket_id),
+            deadline=time.monotonic() + self.config.timeout,
+        )
+        completed: list[_Op] = []
+        with self._lock:
+            if self._failed is not None:
+                record.future.set_exception(self._failed)  # type: ignore[arg-type]
+                return record.future
+            key = (iteration, bucket_id)
+            if key in self._ops:
+                raise ValueError(f"bucket {bucket_id} of iteration {iteration} was already started")
+            self._ops[key] = record
+            if iteration > self._latest_iteration:
+                self._latest_iteration = iteration
+                self._release_locked(iteration - self.config.keep_iterations)
+            self._count("ops_started")
+            try:
+                for slot in grid.chunk_slots[self.rank]:
+                    self._send(record, slot, Flags.NONE)
+                for header, payload in self._stash.pop(key, []):
+                    self._stash_bytes -= len(payload)
+                    self._apply(record, header, memoryview(payload), completed)
+            except PeerTimeoutError as exc:
+                self._fail_all_locked(exc)
+            if record.remaining == 0 and not record.done:
+                record.done = True
+                completed.append(record)
+        self._complete(completed)
+        return record.future
+
+    def allreduce(
+        self,
+        iteration: int,
+        bucket_id: int,
+        tensor: torch.Tensor,
+        op: ReduceOp = ReduceOp.AVG,
+    ) -> torch.Tensor:
+        """Blocking :meth:`allreduce_async`; raises CollectiveError / PeerTimeoutError on failure."""
+        return self.allreduce_async(iteration, bucket_id, tensor, op).wait()
+
+    def reduced(self, iteration: int, bucket_id: int) -> torch.Tensor | None:
+        """The kept result of a completed bucket, or None."""
+        with self._lock:
+            record = self._ops.get((iteration, bucket_id))
+            return record.work if record is not None and record.done else None
+
+    def release_through(self, iteration: int) -> None:
+        """Forget reduced buckets of iterations <= ``iteration`` (the shadows confirmed them)."""
+        with self._lock:
+            self._release_locked(iteration)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            out = dict(self._counters)
+            out["ops_kept"] = len(self._ops)
+            out["stash_bytes"] = self._stash_bytes
+            return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._watchdog.join(timeout=1.0)
+        with self._lock:
+            self._fail_all_locked(CollectiveError("the all-reduce engine was closed"))
+        self.transport.remove_job(self.config.job_id)
+
+    # ---- internals ------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        self._counters[name] = self._counters.get(name, 0) + n
+
+    def _drop(self, reason: str) -> None:
+        self._count(f"drop.{reason}")
+        self.transport.count_drop(reason)
+
+    def _release_locked(self, through: int) -> None:
+        if through <= self._released_through:
+            return
+        self._released_through = through
+        for key in [k for k, v in self._ops.items() if k[0] <= through and (v.done or v.failed)]:
+            del self._ops[key]
+        for key in [k for k in self._stash if k[0] <= through]:
+            self._stash_bytes -= sum(len(p) for _, p in self._stash.pop(key))
+
+    def _header(
+        self, record: _Op, slot: int, kind: MessageType, flags: Flags, sequence: int = 0
+    ) -> CheckmateHeader:
+        grid = record.grid
+        if grid.last[slot]:
+            flags |= Flags.LAST
+        return CheckmateHeader(
+            msg_type=kind,
+            job_id=self.config.job_id,
+            iteration=record.iteration,
+            bucket_id=record.bucket_id,
+            sender_rank=self.rank,
+            element_offset=grid.offsets[slot],
+            element_count=grid.counts[slot],
+            sequence=sequence,
+            dtype=record.dtype,
+            flags=flags,
+            shard_key=record.shard_key,
+        )
+
+    def _send(self, record: _Op, slot: int, flags: Flags) -> None:
+        grid = record.grid
+        size = record.dtype.itemsize
+        lo = grid.offsets[slot] * size
+        payload = record.view[lo : lo + grid.counts[slot] * size]
+        self.transport.send(self.next_addr, self._header(record, slot, MessageType.DATA, flags), payload)
+        if flags & Flags.REPLICATE:
+            tag = TagRecord(
+                record.iteration, record.bucket_id, grid.offsets[slot], grid.counts[slot], record.shard_key
+            )
+            self.tag_log.append(tag)
+            self._count("tagged_datagrams")
+            if self.on_tag is not None:
+                self.on_tag(tag)
+
+    def _on_data(self, header: CheckmateHeader, payload: memoryview, addr: Addr) -> None:
+        if header.sender_rank != self.prev_rank:
+            self._drop("not_ring_predecessor")
+            return
+        key = (header.iteration, header.bucket_id)
+        completed: list[_Op] = []
+        with self._lock:
+            record = self._ops.get(key)
+            if record is None:
+                if header.iteration <= self._released_through:
+                    self._drop("stale_iteration")
+                elif (
+                    self._latest_iteration >= 0
+                    and header.iteration > self._latest_iteration + self.config.future_iterations
+                ):
+                    self._drop("future_iteration")
+                elif self._stash_bytes + len(payload) > self.config.max_stash_bytes:
+                    self._drop("stash_full")
+                else:
+                    self._stash.setdefault(key, []).append((header, bytes(payload)))
+                    self._stash_bytes += len(payload)
+                    self._count("stashed")
+                return
+            if record.done or record.failed:
+                self._drop("stale_iteration")
+                return
+            try:
+                self._apply(record, header, payload, completed)
+            except PeerTimeoutError as exc:
+                self._fail_all_locked(exc)
+        self._complete(completed)
+
+    def _apply(self, record: _Op, header: CheckmateHeader, payload: memoryview, completed: list[_Op]) -> None:
+        """Reduce or store one datagram and forward it (lock held)."""
+        grid = record.grid
+        slot = grid.slot_of.get(header.element_offset)
+        if slot is None or grid.counts[slot] != header.element_count:
+            self._drop("out_of_range")
+            return
+        if header.dtype != record.dtype:
+            self._drop("dtype_mismatch")
+            return
+        chunk = grid.chunk[slot]
+        r, world = self.rank, self.world
+        state = record.state[slot]
+        lo = grid.offsets[slot]
+        hi = lo + grid.counts[slot]
+        if chunk == (r + 1) % world:  # last reduce-scatter step: this rank owns the chunk
+            if state != 0:
+                self._drop("unexpected_slot")
+                return
+            self._add(record, lo, hi, payload)
+            self._finalize(record, slot, completed)
+            self._send(record, slot, Flags.REPLICATE)
+        elif chunk == r or state == _RS_DONE:  # all-gather
+            if (chunk == r and state != 0) or state == _FINAL:
+                self._drop("unexpected_slot")
+                return
+            self._store(record, lo, hi, payload)
+            self._finalize(record, slot, completed)
+            if chunk != (r + 2) % world:
+                self._send(record, slot, Flags.NONE)
+        elif state == 0:  # reduce-scatter, not yet the owner
+            self._add(record, lo, hi, payload)
+            record.state[slot] = _RS_DONE
+            self._send(record, slot, Flags.NONE)
+        else:
+            self._drop("unexpected_slot")
+
+    def _finalize(self, record: _Op, slot: int, completed: list[_Op]) -> None:
+        record.state[slot] = _FINAL
+        record.remaining -= 1
+        if record.remaining == 0:
+            record.done = True
+            completed.append(record)
+
+    @staticmethod
+    def _add(record: _Op, lo: int, hi: int, payload: memoryview) -> None:
+        if record.array is not None:
+            part = record.array[lo:hi]
+            np.add(part, np.frombuffer(payload, dtype="<f4"), out=part)
+        else:
+            record.work[lo:hi].add_(payload_tensor(payload, record.dtype))
+
+    @staticmethod
+    def _store(record: _Op, lo: int, hi: int, payload: memoryview) -> None:
+        if record.array is not None:
+            record.array[lo:hi] = np.frombuffer(payload, dtype="<f4")
+        else:
+            record.work[lo:hi].copy_(payload_tensor(payload, record.dtype))
+
+    def _complete(self, completed: list[_Op]) -> None:
+        for record in completed:
+            self._count("ops_completed")
+            record.future.set_result(record.work)
+
+    def _fail_all_locked(self, error: CollectiveError | PeerTimeoutError) -> None:
+        if self._failed is None:
+            self._failed = error
+        for record in self._ops.values():
+            if not record.done and not record.failed:
+                record.failed = True
+                record.future.set_exception(error)  # type: ignore[arg-type]
+
+    def _on_peer_failure(self, error: PeerTimeoutError) -> None:
+        with self._lock:
+            self._fail_all_locked(error)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.05):
+            now = time.monotonic()
+            with self._lock:
+                late = [v for v in self._ops.values() if not v.done and not v.failed and now > v.deadline]
+                if late:
+                    record = late[0]
+                    missing = record.state.count(0) + record.state.count(_RS_DONE)
+                    self._fail_all_locked(
+                        CollectiveTimeoutError(
+                            f"job {self.config.job_id} rank {self.rank}: all-reduce of bucket "
+                            f"{record.bucket_id} at iteration {record.iteration} incomplete after "
+                            f"{self.config.timeout:.1f}s; {missing} of {len(record.state)} datagrams "
+                            f"still expected from rank {self.prev_rank} at "
+                            f"{self.prev_addr[0]}:{self.prev_addr[1]} (ring predecessor); "
+                            f"slots missing: {[i for i, v in enumerate(record.state) if v != _FINAL][:8]}; "
+                            f"transport: {self.transport.stats()}"
+                        )
+                    )
+
+    # ---- repair service -------------------------------------------------------------
+    def _on_repair_request(self, header: CheckmateHeader, payload: memoryview, addr: Addr) -> None:
+        """REPAIR_REQUEST: header range plus (offset, count) pairs in the payload -> REPAIR_DATA."""
+        if len(payload) % _PAIR.size:
+            self._drop("malformed_repair")
+            return
+        ranges = [(header.element_offset, header.element_count)]
+        ranges += [_PAIR.unpack_from(payload, i) for i in range(0, len(payload), _PAIR.size)]
+        with self._lock:
+            record = self._ops.get((header.iteration, header.bucket_id))
+            available = record is not None and record.done
+        self._count("repair_requests")
+        n = record.work.numel() if record is not None else 0
+        if not available or any(o + k > n or k == 0 for o, k in ranges):
+            self._count("repair_unavailable")
+            nack = CheckmateHeader(
+                msg_type=MessageType.NACK,
+                job_id=self.config.job_id,
+                iteration=header.iteration,
+                bucket_id=header.bucket_id,
+                sender_rank=self.rank,
+                element_offset=header.element_offset,
+                element_count=header.element_count,
+                sequence=header.sequence,
+                dtype=DType.NONE,
+            )
+            self.transport.send_unreliable(addr, nack)
+            return
+        assert record is not None
+        size = record.dtype.itemsize
+        per = MAX_PAYLOAD_BYTES // size
+        pieces: list[tuple[int, int]] = []
+        for o, k in ranges:
+            for start in range(o, o + k, per):
+                pieces.append((start, min(per, o + k - start)))
+        for i, (start, count) in enumerate(pieces):
+            reply = CheckmateHeader(
+                msg_type=MessageType.REPAIR_DATA,
+                job_id=self.config.job_id,
+                iteration=record.iteration,
+                bucket_id=record.bucket_id,
+                sender_rank=self.rank,
+                element_offset=start,
+                element_count=count,
+                sequence=header.sequence,
+                dtype=record.dtype,
+                flags=Flags.LAST if i == len(pieces) - 1 else Flags.NONE,
+                shard_key=record.shard_key,
+            )
+            self.transport.send_unreliable(addr, reply, record.view[start * size : (start + count) * size])
+        self._count("repair_datagrams", len(pieces))
