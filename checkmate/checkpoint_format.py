@@ -380,21 +380,23 @@ class CheckpointReader:
     def read(
         self, name: str, state: str = PARAM_STATE, start: int = 0, end: int | None = None, verify: bool = True
     ) -> torch.Tensor:
-        """Elements [start, end) of ``name``'s ``state``, flattened (whole 0-d states as they are)."""
+        """Elements [start, end) of ``name``'s ``state``, flattened (0-d states as they are).
+
+        Only the bytes of the range are read. A tensor read whole is checked
+        against its SHA-256; a partial read cannot be (``verify_files`` checks
+        every byte of a step).
+        """
         pieces = self.slices.get((name, state))
         if pieces is None:
             raise CheckpointError(f"step {self.step} has no {name}::{state}")
-        whole = [p for p in pieces if p.start == 0]
-        if len(pieces) == 1 and whole:
-            piece = whole[0]
-            with self._open(piece.file) as handle:
-                tensor = handle.get_tensor(piece.key)
-            if verify and _tensor_sha256(tensor) != piece.sha256:
-                raise CheckpointError(f"{self.directory / piece.file}: {piece.key} fails its checksum")
-            if tensor.dim() == 0:
-                return tensor
-            flat = tensor.reshape(-1)
-            return flat[start:end] if (start, end) != (0, None) else flat
+        if pieces[0].scalar:
+            with self._open(pieces[0].file) as handle:
+                tensor = handle.get_tensor(pieces[0].key)
+            if verify and _tensor_sha256(tensor) != pieces[0].sha256:
+                raise CheckpointError(
+                    f"{self.directory / pieces[0].file}: {pieces[0].key} fails its checksum"
+                )
+            return tensor
         stop = end if end is not None else max(p.end for p in pieces)
         out = []
         for piece in sorted(pieces, key=lambda p: p.start):
@@ -409,9 +411,25 @@ class CheckpointReader:
                             f"{self.directory / piece.file}: {piece.key} fails its checksum"
                         )
                 else:
-                    part = handle.get_slice(piece.key)[lo - piece.start : hi - piece.start]
-            out.append(part.reshape(-1))
-        return torch.cat(out) if out else torch.empty(0)
+                    part = self._read_range(handle, piece, lo - piece.start, hi - piece.start)
+            out.append(part)
+        if not out:
+            return torch.empty(0)
+        return torch.cat(out) if len(out) != 1 else out[0]
+
+    @staticmethod
+    def _read_range(handle: Any, piece: TensorSlice, lo: int, hi: int) -> torch.Tensor:
+        """Flat elements [lo, hi) of a stored tensor, reading whole rows of its first dimension only."""
+        view = handle.get_slice(piece.key)
+        shape = view.get_shape()
+        if len(shape) <= 1:
+            return view[lo:hi].reshape(-1)
+        row = 1
+        for dim in shape[1:]:
+            row *= dim
+        first, last = lo // row, (hi + row - 1) // row
+        rows = view[first:last].reshape(-1)
+        return rows[lo - first * row : hi - first * row]
 
     def parameter(self, name: str, state: str = PARAM_STATE) -> torch.Tensor:
         """The whole state of ``name``, in the parameter's shape (0-d states as stored)."""
