@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,7 +102,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     with tmp.open("wb") as handle:
         handle.write(data)
         handle.flush()
@@ -183,7 +184,7 @@ def write_shard(
                 }
             )
     data_path = directory / f"{stem}.safetensors"
-    tmp = data_path.with_name(f".{data_path.name}.tmp-{os.getpid()}")
+    tmp = data_path.with_name(f".{data_path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     save_file(tensors, str(tmp), metadata={"format_version": str(FORMAT_VERSION), "step": str(step)})
     with tmp.open("rb+") as handle:
         os.fsync(handle.fileno())

@@ -9,7 +9,9 @@ A TCP connection carries frames::
     magic "CMC1" | json_len: u32 BE | blob_len: u64 BE | JSON (UTF-8) | blob
 
 The JSON object has a ``"type"`` (``job_start``, ``bucket_layout``,
-``commit``, ``certified``, ``goodbye``) and the message's fields. Tensors
+``commit``, ``certified``, ``goodbye``; and on a shadow's same TCP port,
+``status_request``/``status``, ``restore_request``/``restore_refused``, a
+restore being answered with a ``job_start``) and the message's fields. Tensors
 travel in the blob as raw little-endian memory images; the JSON lists each as
 ``{"key", "dtype", "shape", "offset", "nbytes"}`` with its offset in the blob.
 Every read and write takes a timeout; a malformed frame raises
@@ -123,6 +125,8 @@ class JobStart:
     optimizer_scalars: dict[str, dict[str, Any]] = field(default_factory=dict)
     job: dict[str, Any] | None = None
     """The job description (``JobSpec.to_json()``) when the workers have one."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Anything else (a shadow's restore answer: ``shadow``, ``iteration``, ``optimizer_step``, ...)."""
 
 
 @dataclass
@@ -173,8 +177,75 @@ class Goodbye:
     reason: str = ""
 
 
-Message = JobStart | BucketLayout | Commit | Certified | Goodbye
-_TYPES: dict[str, type] = {cls.TYPE: cls for cls in (JobStart, BucketLayout, Commit, Certified, Goodbye)}
+@dataclass
+class StatusRequest:
+    """Anyone -> shadow (its control port): send your status."""
+
+    TYPE: ClassVar[str] = "status_request"
+    job_id: int = 0
+
+
+@dataclass
+class StatusReport:
+    """Shadow -> asker: the shadow's status document (docs/shadow.md lists the fields)."""
+
+    TYPE: ClassVar[str] = "status"
+    job_id: int
+    status: dict[str, Any]
+
+
+@dataclass
+class RestoreRequest:
+    """Recovering worker -> shadow: the shard of the state after ``iteration`` (None: the latest).
+
+    A shadow behind ``iteration`` waits up to ``wait`` seconds to reach it and
+    answers with a :class:`JobStart` holding its owned parameters and their
+    optimizer state (``start_iteration`` = ``iteration`` + 1), or with
+    :class:`RestoreRefused`.
+    """
+
+    TYPE: ClassVar[str] = "restore_request"
+    job_id: int
+    iteration: int | None = None
+    wait: float = 0.0
+
+
+@dataclass
+class RestoreRefused:
+    """Shadow -> asker: no state for the requested iteration; ``iteration`` is where the shadow is."""
+
+    TYPE: ClassVar[str] = "restore_refused"
+    job_id: int
+    shadow: str
+    iteration: int
+    reason: str
+
+
+Message = (
+    JobStart
+    | BucketLayout
+    | Commit
+    | Certified
+    | Goodbye
+    | StatusRequest
+    | StatusReport
+    | RestoreRequest
+    | RestoreRefused
+)
+_TYPES: dict[str, type] = {
+    cls.TYPE: cls
+    for cls in (
+        JobStart,
+        BucketLayout,
+        Commit,
+        Certified,
+        Goodbye,
+        StatusRequest,
+        StatusReport,
+        RestoreRequest,
+        RestoreRefused,
+    )
+}
 
 
 # ---- encoding ---------------------------------------------------------------------------
@@ -219,6 +290,7 @@ def encode_message(message: Message) -> list[bytes | memoryview]:
             tensors=listing,
             optimizer_scalars=message.optimizer_scalars,
             job=message.job,
+            extra=message.extra,
         )
     elif isinstance(message, BucketLayout):
         body.update(

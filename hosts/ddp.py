@@ -347,8 +347,22 @@ class CheckmateAgent:
             start_iteration=start_iteration,
             tensors=tensors,
             optimizer_scalars=scalars,
-            job=self.config.job.to_json() if self.config.job is not None else None,
+            job=self._job_description(),
         )
+
+    def _job_description(self) -> dict[str, Any] | None:
+        """The JobSpec, or without one the implicit shard map: shard key k -> k-th shadow listed."""
+        if self.config.job is not None:
+            return self.config.job.to_json()
+        if not self.config.shadow_control:
+            return None
+        names = list(self.config.shadow_control)
+        return {
+            "job_id": self.config.job_id,
+            "workers": [f"{h}:{p}" for h, p in self.workers],
+            "shadows": names,
+            "shard_to_shadow": {str(k): name for k, name in enumerate(names)},
+        }
 
     # ---- the communication hook -----------------------------------------------------
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -383,8 +397,15 @@ class CheckmateAgent:
     def _end_of_iteration(self) -> None:
         layout = [self._bucket_layout[i] for i in sorted(self._bucket_layout)]
         if layout != self._layout_sent:
+            rebuilt = self._layout_sent is not None
             self._layout_sent = layout
             if self.channel is not None:
+                if rebuilt:
+                    # Buckets (and with them parameters) may move between shadows: re-seed every
+                    # shadow with the state before this iteration's step, then the new layout
+                    # (docs/protocol.md, "Bucket layout changes"). The parameters are untouched
+                    # until this iteration's optimizer step, so this is exactly that state.
+                    self.channel.post(self._job_start(self.iteration))
                 self.channel.post(BucketLayout(self.config.job_id, self.iteration, layout))
         self._bucket_layout = {}
         self._uncommitted = self.iteration

@@ -86,9 +86,9 @@ class Snapshotter:
             return True
         return bool(policy.every_seconds) and time.monotonic() - self._last_time >= policy.every_seconds
 
-    def offer(self, iteration: int, capture: Callable[[], Snapshot]) -> bool:
-        """Snapshot ``iteration`` if due and the writer is free; True when one was queued."""
-        if not self.due(iteration):
+    def offer(self, iteration: int, capture: Callable[[], Snapshot], force: bool = False) -> bool:
+        """Snapshot ``iteration`` if due (or ``force``) and the writer is free; True when one was queued."""
+        if not force and not self.due(iteration):
             return False
         if self._queue.full():
             self.stats.skipped_busy += 1

@@ -1,0 +1,128 @@
+"""``checkmate-shadow``: run a shadow node, or ask one for its status.
+
+checkmate-shadow run --name shadow0 [--control 0.0.0.0:48880] [--data 0.0.0.0:48879]
+                     [--job-id N] [--shard-keys 0,2] [--snapshot-dir DIR
+                     --snapshot-every K --snapshot-seconds T --keep M --resume]
+                     [--status-file PATH]
+checkmate-shadow status HOST[:PORT] [--timeout S]
+checkmate-shadow certified HOST[:PORT] [HOST[:PORT] ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+from checkmate.control import DEFAULT_CONTROL_PORT
+from checkmate.wire import CHECKMATE_UDP_PORT
+from shadow.cluster import certified_through
+from shadow.node import ShadowConfig, ShadowNode
+from shadow.repair import RepairPolicy
+from shadow.restore import RestoreError, shadow_status
+from shadow.snapshots import SnapshotPolicy
+
+logger = logging.getLogger(__name__)
+
+
+def parse_address(text: str, default_port: int) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        return text, default_port
+    try:
+        return host or "0.0.0.0", int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST[:PORT]") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="checkmate-shadow", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a shadow node (until interrupted)")
+    run.add_argument("--name", required=True, help="this shadow's name in the job's shard map")
+    run.add_argument("--control", default=f"0.0.0.0:{DEFAULT_CONTROL_PORT}", help="TCP HOST:PORT")
+    run.add_argument("--data", default=f"0.0.0.0:{CHECKMATE_UDP_PORT}", help="UDP HOST:PORT for copies")
+    run.add_argument("--job-id", type=int, default=None)
+    run.add_argument("--shard-keys", default=None, help="comma-separated; default: from the job")
+    run.add_argument("--snapshot-dir", type=Path, default=None)
+    run.add_argument("--snapshot-every", type=int, default=1, help="iterations (0: never by count)")
+    run.add_argument("--snapshot-seconds", type=float, default=0.0, help="seconds (0: never by time)")
+    run.add_argument("--keep", type=int, default=3)
+    run.add_argument("--resume", action="store_true", help="load this shadow's latest snapshot first")
+    run.add_argument("--status-file", type=Path, default=None)
+    run.add_argument("--horizon", type=int, default=8, help="iterations in flight")
+    run.add_argument("--repair-grace", type=float, default=0.02)
+    run.add_argument("--repair-timeout", type=float, default=0.1)
+    run.add_argument("--threads", type=int, default=1, help="torch threads for the optimizer")
+    status = sub.add_parser("status", help="print a shadow's status JSON")
+    status.add_argument("address")
+    status.add_argument("--timeout", type=float, default=5.0)
+    certified = sub.add_parser("certified", help="the iteration every given shadow has applied")
+    certified.add_argument("addresses", nargs="+")
+    certified.add_argument("--timeout", type=float, default=5.0)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    snapshots = None
+    if args.snapshot_dir is not None:
+        snapshots = SnapshotPolicy(args.snapshot_dir, args.snapshot_every, args.snapshot_seconds, args.keep)
+    keys = tuple(int(k) for k in args.shard_keys.split(",")) if args.shard_keys else None
+    config = ShadowConfig(
+        name=args.name,
+        control_bind=parse_address(args.control, DEFAULT_CONTROL_PORT),
+        data_bind=parse_address(args.data, CHECKMATE_UDP_PORT),
+        job_id=args.job_id,
+        shard_keys=keys,
+        snapshots=snapshots,
+        resume=args.resume,
+        status_file=args.status_file,
+        horizon=args.horizon,
+        repair=RepairPolicy(grace=args.repair_grace, timeout=args.repair_timeout),
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    node = ShadowNode(config).start()
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        node.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "status":
+            document = shadow_status(parse_address(args.address, DEFAULT_CONTROL_PORT), args.timeout)
+            print(json.dumps(document, indent=1, sort_keys=True))
+            return 0
+        addresses = [parse_address(a, DEFAULT_CONTROL_PORT) for a in args.addresses]
+        print(json.dumps({"certified_through": certified_through(addresses, args.timeout)}))
+        return 0
+    except (OSError, RestoreError) as exc:
+        print(f"checkmate-shadow: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

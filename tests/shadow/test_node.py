@@ -1,0 +1,314 @@
+"""ShadowNode against a hand-driven rank 0 and fake workers: bad input, missing commits, repairs, layouts."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkmate import wire
+from checkmate.control import (
+    BucketLayout,
+    BucketSpec,
+    Commit,
+    Goodbye,
+    JobStart,
+    Message,
+    ParamSlice,
+    ParamSpec,
+    recv_message,
+    send_message,
+)
+from checkmate.tensors import tensor_payload
+from checkmate.wire import CheckmateHeader, DType, Flags, MessageType
+from shadow import cli
+from shadow.node import ShadowConfig, ShadowNode
+from shadow.repair import RepairPolicy
+
+JOB = 5
+SHAPES = {"w": (2, 4), "b": (4,), "other": (6,)}
+INITIAL = {
+    n: torch.arange(torch.Size(s).numel(), dtype=torch.float32).reshape(s) / 10 for n, s in SHAPES.items()
+}
+LAYOUT = [
+    BucketSpec(0, "float32", 12, 0, (ParamSlice("w", 0, 8), ParamSlice("b", 8, 4))),
+    BucketSpec(1, "float32", 6, 1, (ParamSlice("other", 0, 6),)),
+]
+GRAD = torch.linspace(-1, 1, 12)
+
+
+def job_start(workers: list[tuple[str, int]], start: int = 0) -> JobStart:
+    return JobStart(
+        job_id=JOB,
+        world_size=2,
+        workers=workers,
+        parameters=[ParamSpec(n, s, "float32") for n, s in SHAPES.items()],
+        optimizer={"kind": "SGD", "param_groups": [{"lr": 0.1, "momentum": 0.9, "params": list(SHAPES)}]},
+        start_iteration=start,
+        tensors={f"param/{n}": t for n, t in INITIAL.items()},
+        job={"job_id": JOB, "workers": ["a", "b"], "shadows": ["s0", "s1"]},
+    )
+
+
+def datagram(iteration: int, offset: int, values: torch.Tensor, **overrides: object) -> bytes:
+    fields: dict[str, object] = dict(
+        msg_type=MessageType.DATA,
+        job_id=JOB,
+        iteration=iteration,
+        bucket_id=0,
+        sender_rank=0,
+        element_offset=offset,
+        element_count=values.numel(),
+        sequence=1,
+        dtype=DType.FP32,
+        shard_key=0,
+    )
+    fields.update(overrides)
+    header = CheckmateHeader(**fields)  # type: ignore[arg-type]
+    return bytes(header.pack()) + bytes(tensor_payload(values))
+
+
+class Rank0:
+    """The control channel's sending end, by hand."""
+
+    def __init__(self, node: ShadowNode) -> None:
+        self.sock = socket.create_connection(node.control_address, timeout=2)
+        self.received: list[Message] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def send(self, message: Message) -> None:
+        send_message(self.sock, message, timeout=2)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                self.received.append(recv_message(self.sock, timeout=30))
+        except (OSError, ValueError):
+            return
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class FakeWorker:
+    """Answers REPAIR_REQUESTs for bucket 0 with GRAD (or NACKs everything)."""
+
+    def __init__(self, host: str, nack: bool) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((host, 0))
+        self.sock.settimeout(0.1)
+        self.address = self.sock.getsockname()
+        self.nack = nack
+        self.requests: list[list[tuple[int, int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data, addr = self.sock.recvfrom(65536)
+            except TimeoutError:
+                continue
+            header = wire.decode(data)[0]
+            extra = data[wire.HEADER_BYTES :]
+            ranges = [(header.element_offset, header.element_count)]
+            ranges += [struct.unpack_from("!II", extra, i) for i in range(0, len(extra), 8)]
+            self.requests.append(ranges)
+            if self.nack:
+                reply = CheckmateHeader(
+                    MessageType.NACK,
+                    JOB,
+                    header.iteration,
+                    header.bucket_id,
+                    0,
+                    header.element_offset,
+                    header.element_count,
+                    header.sequence,
+                    DType.NONE,
+                )
+                self.sock.sendto(reply.pack(), addr)
+                continue
+            for i, (offset, count) in enumerate(ranges):
+                last = Flags.LAST if i == len(ranges) - 1 else Flags.NONE
+                values = GRAD[offset : offset + count].contiguous()
+                self.sock.sendto(
+                    datagram(
+                        header.iteration,
+                        offset,
+                        values,
+                        msg_type=MessageType.REPAIR_DATA,
+                        sequence=header.sequence,
+                        flags=last,
+                    ),
+                    addr,
+                )
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close()
+
+
+def reference(steps: int) -> dict[str, torch.Tensor]:
+    params = {n: INITIAL[n].clone().requires_grad_() for n in ("w", "b")}
+    opt = torch.optim.SGD(list(params.values()), lr=0.1, momentum=0.9)
+    for _ in range(steps):
+        params["w"].grad = GRAD[:8].reshape(2, 4).clone()
+        params["b"].grad = GRAD[8:].clone()
+        opt.step()
+    return {n: p.detach() for n, p in params.items()}
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[ShadowNode]:
+    torch.set_num_threads(1)
+    shadow = ShadowNode(
+        ShadowConfig(
+            name="s0",
+            control_bind=("127.0.0.50", 0),
+            data_bind=("127.0.0.50", 0),
+            status_file=tmp_path / "status.json",
+            horizon=4,
+            repair=RepairPolicy(grace=0.01, timeout=0.05, max_attempts=6),
+        )
+    ).start()
+    yield shadow
+    shadow.close()
+
+
+def join(node: ShadowNode, workers: list[tuple[str, int]] | None = None) -> Rank0:
+    rank0 = Rank0(node)
+    rank0.send(job_start(workers or [("127.0.0.60", 9), ("127.0.0.61", 9)]))
+    rank0.send(BucketLayout(JOB, 0, LAYOUT))
+    assert wait_for(lambda: node.status()["state"] == "running")
+    return rank0
+
+
+def test_bad_input_is_dropped_and_counted_never_written(node: ShadowNode) -> None:
+    rank0 = join(node)
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    target = node.data_address
+    rank0.send(Commit(JOB, 0, [0.1]))
+    assert wait_for(lambda: node.status()["latest_commit"] == 0)
+    junk = {
+        "other_job": datagram(0, 0, GRAD[:4], job_id=JOB + 1),
+        "offset_past_bucket_end": datagram(0, 10, GRAD[:4]),
+        "wrong_dtype": datagram(0, 0, GRAD[:4].to(torch.bfloat16), dtype=DType.BF16),
+        "iteration_too_far_ahead": datagram(1000, 0, GRAD[:4]),
+        "bucket_not_owned": datagram(0, 0, GRAD[:6], bucket_id=1, shard_key=1),
+        "malformed": b"\x01\x01" + bytes(10),
+    }
+    for payload in junk.values():
+        sender.sendto(payload, target)
+    assert wait_for(lambda: all(node.status()["drops"].get(r, 0) >= 1 for r in junk)), node.status()["drops"]
+    assert node.applied_iteration == -1
+    assert torch.equal(node.parameters()["w"], INITIAL["w"])  # nothing was written
+    sender.sendto(datagram(0, 0, GRAD[:8]), target)
+    sender.sendto(datagram(0, 0, GRAD[:8]), target)  # a duplicate
+    sender.sendto(datagram(0, 8, GRAD[8:]), target)
+    assert node.wait_applied(0, 5)
+    sender.sendto(datagram(0, 0, GRAD[:8]), target)  # far past now
+    assert wait_for(lambda: node.status()["drops"].get("stale_iteration", 0) >= 1)
+    want = reference(1)
+    got = node.parameters()
+    assert set(got) == {"w", "b"} and all(torch.equal(got[n], want[n]) for n in want)
+    status = node.status()
+    assert status["drops"]["duplicate"] == 1 and status["certified_iteration"] == 0
+    assert wait_for(lambda: any(m.__class__.__name__ == "Certified" for m in rank0.received))
+    rank0.close()
+
+
+def test_a_commit_that_never_comes_is_never_certified_and_says_why(node: ShadowNode, tmp_path: Path) -> None:
+    rank0 = join(node)
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sender.sendto(datagram(0, 0, GRAD[:8]), node.data_address)
+    sender.sendto(datagram(0, 8, GRAD[8:]), node.data_address)
+    assert wait_for(lambda: "no commit record" in (node.status()["blocked"] or ""), timeout=4), node.status()
+    status = (
+        json.loads((tmp_path / "status.json").read_text())
+        if wait_for(lambda: "no commit" in (tmp_path / "status.json").read_text(), 3)
+        else {}
+    )
+    assert status.get("state") == "stalled" and status["certified_iteration"] == -1
+    assert node.applied_iteration == -1
+    rank0.close()
+
+
+def test_gaps_are_repaired_from_another_worker_after_a_nack(node: ShadowNode) -> None:
+    refusing, answering = FakeWorker("127.0.0.60", nack=True), FakeWorker("127.0.0.61", nack=False)
+    try:
+        # iteration 0: bucket 0 ranges [4, 8) and [10, 12) lost; worker (0 + 0) % 2 = 0 is asked first
+        rank0 = join(node, [refusing.address, answering.address])
+        sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sender.sendto(datagram(0, 0, GRAD[:4]), node.data_address)
+        sender.sendto(datagram(0, 8, GRAD[8:10]), node.data_address)
+        rank0.send(Commit(JOB, 0, [0.1]))
+        assert node.wait_applied(0, 5), node.status()
+        assert refusing.requests == [[(4, 4), (10, 2)]]
+        assert answering.requests[0] == [(4, 4), (10, 2)]
+        repairs = node.status()["repairs"]
+        assert repairs["nacks"] == 1 and repairs["elements_repaired"] == 6 and repairs["unrepairable"] == 0
+        want = reference(1)
+        assert all(torch.equal(node.parameters()[n], want[n]) for n in want)
+        rank0.close()
+    finally:
+        refusing.close()
+        answering.close()
+
+
+def test_unrepairable_gap_blocks_certification_and_asks_for_state(node: ShadowNode) -> None:
+    workers = [FakeWorker("127.0.0.60", nack=True), FakeWorker("127.0.0.61", nack=True)]
+    try:
+        rank0 = join(node, [w.address for w in workers])
+        sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sender.sendto(datagram(0, 0, GRAD[:8]), node.data_address)
+        rank0.send(Commit(JOB, 0, [0.1]))
+        assert wait_for(lambda: "every worker" in (node.status()["blocked"] or "")), node.status()
+        assert node.applied_iteration == -1 and node.status()["certified_iteration"] == -1
+        assert wait_for(lambda: any(isinstance(m, Goodbye) and "resync" in m.reason for m in rank0.received))
+        rank0.close()
+    finally:
+        for w in workers:
+            w.close()
+
+
+def test_layout_change_without_state_makes_the_shadow_ask_for_state(node: ShadowNode) -> None:
+    rank0 = join(node)
+    moved = [
+        BucketSpec(0, "float32", 10, 0, (ParamSlice("w", 0, 8), ParamSlice("other", 8, 2))),
+    ]
+    rank0.send(BucketLayout(JOB, 3, moved))
+    assert wait_for(lambda: any(isinstance(m, Goodbye) and "resync" in m.reason for m in rank0.received))
+    assert node.status()["resync_requests"] == 1
+    # a re-seed (state before iteration 3, then its layout) is accepted
+    rank0 = Rank0(node)
+    rank0.send(job_start([("127.0.0.60", 9)], start=3))
+    rank0.send(BucketLayout(JOB, 3, LAYOUT))
+    assert wait_for(lambda: node.status()["next_iteration"] == 3)
+    assert node.status()["certified_iteration"] == 2
+    rank0.close()
+
+
+def test_cli_status_prints_the_status_json(node: ShadowNode, capsys: pytest.CaptureFixture[str]) -> None:
+    host, port = node.control_address
+    assert cli.main(["status", f"{host}:{port}"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["shadow"] == "s0" and document["state"] == "waiting_for_job"
