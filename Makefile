@@ -1,7 +1,7 @@
 # Checkmate: one command to set up, one to test, one to run the demo.
 #   make setup   system packages (root), .venv, torch 2.13.0, the project [dev]
 #   make test    setup + the test suite (root-only tests skip when not root)
-#   make demo    setup + the end-to-end demo
+#   make demo    setup + the end-to-end demo (root; DEMO_ARGS="--help" for its options)
 #   make p4      compile p4src/ with p4c (BMv2) into build/ when p4c is installed
 #   make lint    ruff + mypy
 SHELL := /bin/bash
@@ -15,6 +15,7 @@ APT_PACKAGES := mininet ethtool iproute2 iputils-ping tcpdump
 TORCH_VERSION := 2.13.0
 BUILD := build
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: help setup system-packages test demo p4 lint bench-switch clean
 
@@ -50,7 +51,11 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: setup
-	@echo "make demo: not yet implemented (the end-to-end demo lands with the demo issue)"
+	@if [ "$$(id -u)" != 0 ]; then \
+	  echo "make demo: needs root (network namespaces, veth pairs and a software switch in Mininet): sudo make demo"; \
+	  exit 1; \
+	fi
+	$(PY) -m topologies.demo $(DEMO_ARGS)
 
 p4:
 	@if ! command -v p4c >/dev/null 2>&1; then \

@@ -1,6 +1,7 @@
 """``checkmate-net``: bring a Checkmate network up in Mininet, use it, take it down.
 
     checkmate-net up topologies/single.json [--target embedded|bmv2] [--run-dir DIR] [--pcap]
+                     [--switch-args [SWITCH=]ARGS]...
     checkmate-net exec h1 -- ping -c1 10.0.1.2
     checkmate-net status
     checkmate-net down
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -73,6 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="switch target (default embedded: checkmate-switch; bmv2: simple_switch_grpc)",
     )
     up.add_argument("--pcap", action="store_true", help="have the switches write per-port pcaps")
+    up.add_argument(
+        "--switch-args",
+        action="append",
+        default=[],
+        metavar="[SWITCH=]ARGS",
+        help="extra options for every switch's command line (or SWITCH's only), split like a shell "
+        "would; repeatable. E.g. --switch-args 's1=--drop-egress 1:0.01 --drop-seed 7' "
+        "(checkmate-switch's seeded egress loss). One word starting with - needs the = form: "
+        "--switch-args=--drop-seed=7",
+    )
     up.add_argument(
         "--state-dir",
         type=Path,
@@ -130,6 +142,11 @@ def _spawn_supervisor(plan: Plan, state_dir: Path | None) -> subprocess.Popen[by
     ]
     if plan.pcap:
         argv.append("--pcap")
+    argv += [
+        f"--switch-args={name}={shlex.join(config.extra_args)}"
+        for name, config in plan.switches.items()
+        if config.extra_args
+    ]
     if state_dir is not None:
         argv += ["--state-dir", str(state_dir.resolve())]
     log = plan.run_dir / SUPERVISOR_LOG
@@ -179,7 +196,7 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 def cmd_up(args: argparse.Namespace) -> int:
     run_dir = (args.run_dir or default_run_dir()).resolve()
-    plan = make_plan(args.network, Target(args.target), run_dir, pcap=args.pcap)
+    plan = make_plan(args.network, Target(args.target), run_dir, pcap=args.pcap, switch_args=args.switch_args)
     try:
         old = RunState.load(run_dir)
     except RunStateError:

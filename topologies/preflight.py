@@ -15,7 +15,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
+import shlex
 import socket
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +75,35 @@ class Plan:
         return self.run_dir / "controller"
 
 
+_SWITCH_PREFIX = re.compile(r"^([A-Za-z][A-Za-z0-9_]*)=(.*)$", re.DOTALL)
+
+
+def parse_switch_args(values: Sequence[str], switches: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """``--switch-args`` values -> extra command-line arguments per switch.
+
+    Each value is ``ARGS`` (for every switch) or ``SWITCH=ARGS`` (for that one);
+    ``ARGS`` is split like a shell would (``"--drop-egress 1:0.01 --drop-seed 7"``).
+    Values for the same switch add up, in order. An unknown switch name or an
+    unbalanced quote raises :class:`PreflightError`.
+    """
+    extra: dict[str, list[str]] = {name: [] for name in switches}
+    for value in values:
+        match = _SWITCH_PREFIX.match(value)
+        names = [match.group(1)] if match else list(switches)
+        text = match.group(2) if match else value
+        if match and match.group(1) not in extra:
+            raise PreflightError(
+                f"--switch-args {value!r}: no switch {match.group(1)!r}; switches: {sorted(switches)}"
+            )
+        try:
+            words = shlex.split(text)
+        except ValueError as exc:
+            raise PreflightError(f"--switch-args {value!r}: {exc}") from None
+        for name in names:
+            extra[name] += words
+    return {name: tuple(words) for name, words in extra.items()}
+
+
 def load_network(path: str | Path) -> Network:
     try:
         return Network.load(path)
@@ -112,11 +144,28 @@ def check_description(network: Network) -> None:
                 raise PreflightError(f"interface name {interface!r} is longer than {IFNAMSIZ} characters")
 
 
-def make_plan(network_file: str | Path, target: Target, run_dir: str | Path, pcap: bool = False) -> Plan:
-    """Check the description, target and tools (no root needed) and return the plan."""
+def make_plan(
+    network_file: str | Path,
+    target: Target,
+    run_dir: str | Path,
+    pcap: bool = False,
+    switch_args: Sequence[str] | Mapping[str, Sequence[str]] = (),
+) -> Plan:
+    """Check the description, target and tools (no root needed) and return the plan.
+
+    ``switch_args``: ``--switch-args`` values (see :func:`parse_switch_args`), or
+    already split arguments per switch name.
+    """
     network_file = Path(network_file).resolve()
     network = load_network(network_file)
     check_description(network)
+    if isinstance(switch_args, Mapping):
+        unknown = sorted(set(switch_args) - set(network.switches))
+        if unknown:
+            raise PreflightError(f"switch arguments for unknown switch(es) {unknown}")
+        extra = {name: tuple(switch_args.get(name, ())) for name in network.switches}
+    else:
+        extra = parse_switch_args(switch_args, list(network.switches))
     try:
         binary = find_binary(target)
         p4info, bmv2_json = pipeline_files(target)
@@ -141,6 +190,7 @@ def make_plan(network_file: str | Path, target: Target, run_dir: str | Path, pca
             thrift_port=switch.thrift_port if switch.thrift_port is not None else BMV2_THRIFT_BASE + index,
             log_file=run_dir / "logs" / f"{name}.log",
             pcap_dir=pcap_dir,
+            extra_args=extra[name],
         )
     return Plan(
         network=network,

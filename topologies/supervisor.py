@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--target", choices=[t.value for t in Target], default=Target.EMBEDDED.value)
     parser.add_argument("--pcap", action="store_true")
+    parser.add_argument("--switch-args", action="append", default=[], help="see checkmate-net up")
     parser.add_argument("--state-dir", type=Path, default=None, help="controller registry (checkmate-ctl's)")
     parser.add_argument("--switch-ready-timeout", type=float, default=30.0)
     return parser
@@ -81,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     runner: NetworkRunner | None = None
     status = 0
     try:
-        plan = make_plan(args.network, Target(args.target), run_dir, pcap=args.pcap)
+        plan = make_plan(
+            args.network, Target(args.target), run_dir, pcap=args.pcap, switch_args=args.switch_args
+        )
         runner = NetworkRunner(
             plan,
             state,

@@ -95,6 +95,9 @@ class SwitchConfig:
     """BMv2's runtime CLI port (every simple_switch_grpc needs its own); checkmate-switch ignores it."""
     log_file: Path | None = None
     pcap_dir: Path | None = None
+    extra_args: tuple[str, ...] = ()
+    """Target options passed through unchanged (``checkmate-net up --switch-args``), placed before
+    the ``--``: e.g. checkmate-switch's ``--drop-egress 1:0.01 --drop-seed 7``."""
 
     def command(self, binary: str) -> list[str]:
         """The command line that starts this switch (the same for both targets)."""
@@ -109,6 +112,7 @@ class SwitchConfig:
         # Logs go to stdout, which the runner sends to log_file: startup errors land there too.
         # simple_switch_grpc logs every packet at its default level (trace): far too slow.
         argv += ["--log-console", "--log-level", "info", "--no-p4"]
+        argv += self.extra_args
         argv += ["--", "--grpc-server-addr", self.grpc_address]
         if self.cpu_port is not None:
             argv += ["--cpu-port", str(self.cpu_port)]

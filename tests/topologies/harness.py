@@ -82,6 +82,8 @@ class RunningNetwork:
     interfaces_before: set[str]
     state: RunState | None = None
     up_seconds: float = 0.0
+    switch_args: tuple[str, ...] = ()
+    """``checkmate-net up --switch-args`` values, e.g. ``"s1=--drop-egress 1:0.01"``."""
 
     def up(self, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
         started = time.monotonic()
@@ -96,6 +98,7 @@ class RunningNetwork:
                 str(self.run_dir),
                 "--state-dir",
                 str(self.state_dir),
+                *[f"--switch-args={value}" for value in self.switch_args],
             ],
             timeout=timeout,
             check=False,

@@ -57,3 +57,31 @@ def test_bmv2_plan_uses_the_same_command_line_and_pushes_the_json(
     assert argv[argv.index("--pcap") + 1] == str(tmp_path / "run" / "pcap")
     assert argv[argv.index("--") + 1 :] == ["--grpc-server-addr", "127.0.0.1:50001"]
     assert plan.bmv2_json == bmv2_json
+
+
+def test_switch_args_pass_through_to_the_named_switch_before_the_target_options(tmp_path: Path) -> None:
+    plan = make_plan(
+        REPO / "topologies" / "leafspine.json",
+        Target.EMBEDDED,
+        tmp_path,
+        switch_args=["s1=--drop-egress 1:0.01 --drop-seed 7", "--log-level warn"],
+    )
+    s1 = plan.switches["s1"].command(plan.switch_binary)
+    assert s1[s1.index("--no-p4") + 1 : s1.index("--")] == [
+        "--drop-egress",
+        "1:0.01",
+        "--drop-seed",
+        "7",
+        "--log-level",
+        "warn",
+    ]
+    s2 = plan.switches["s2"].command(plan.switch_binary)
+    assert s2[s2.index("--no-p4") + 1 : s2.index("--")] == ["--log-level", "warn"]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"), [("s9=--drop-seed 1", "no switch 's9'"), ("s1=--x 'open", "No closing quotation")]
+)
+def test_bad_switch_args_are_preflight_errors(tmp_path: Path, value: str, message: str) -> None:
+    with pytest.raises(preflight.PreflightError, match=message):
+        make_plan(REPO / "topologies" / "single.json", Target.EMBEDDED, tmp_path, switch_args=[value])

@@ -1,0 +1,107 @@
+"""Restoring a job's state: from a universal checkpoint on disk when no shadow answers, strictly,
+bit for bit (no network needed; the shadows' memory path is covered by test_recovery.py)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkmate import checkpoint_format as fmt
+from topologies.examples.tiny_lm import ModelConfig, TinyLM, batch_for, load_corpus, loss_of
+from topologies.recovery import (
+    SOURCE_SNAPSHOT,
+    RecoveryError,
+    load_state,
+    optimizer_digest,
+    optimizer_states_by_name,
+    parameters_digest,
+    restore_latest,
+)
+
+CONFIG = ModelConfig(context=16, width=16, heads=2, layers=1)
+
+
+def _closed_port() -> tuple[str, int]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return "127.0.0.1", int(probe.getsockname()[1])
+
+
+def _model_and_optimizer(seed: int) -> tuple[TinyLM, torch.optim.AdamW]:
+    torch.manual_seed(seed)
+    model = TinyLM(CONFIG)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def _step(model: TinyLM, optimizer: torch.optim.Optimizer, corpus: torch.Tensor, iteration: int) -> None:
+    inputs, targets = batch_for(corpus, 0, iteration, 0, 1, 4, CONFIG.context)
+    optimizer.zero_grad()
+    loss_of(model, inputs, targets).backward()
+    optimizer.step()
+
+
+def _write_snapshot(root: Path, step: int, model: TinyLM, optimizer: torch.optim.Optimizer) -> None:
+    """What two shadows write: the parameters split over two shard files, plus global.json."""
+    named = list(model.named_parameters())
+    states = fmt.capture_states(named, optimizer)
+    spec = {"kind": "AdamW", "param_groups": [{"params": [n for n, _ in named]}]}
+    fmt.write_global(root, step, fmt.parameters_of(named), spec, {"optimizer_step": step + 1})
+    names = [n for n, _ in named]
+    for shard in range(2):
+        fmt.write_shard(root, step, shard, 2, {n: states[n] for n in names[shard::2]})
+
+
+def test_restores_from_the_snapshots_when_no_shadow_answers(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    corpus = load_corpus()
+    model, optimizer = _model_and_optimizer(0)
+    for iteration in range(3):
+        _step(model, optimizer, corpus, iteration)
+    _write_snapshot(tmp_path, 1, model, optimizer)  # an older complete step
+    _write_snapshot(tmp_path, 2, model, optimizer)
+    fmt.write_global(tmp_path, 3, {}, {})  # a partial newer step (no shards): ignored
+
+    state = restore_latest({"sh1": _closed_port()}, tmp_path, timeout=2.0)
+    assert state is not None and state.source == SOURCE_SNAPSHOT
+    assert state.iteration == 2 and state.next_iteration == 3 and state.optimizer_step == 3
+
+    fresh, fresh_optimizer = _model_and_optimizer(1)  # different initial weights
+    load_state(fresh, fresh_optimizer, state)
+    assert parameters_digest(fresh.named_parameters()) == parameters_digest(model.named_parameters())
+    assert optimizer_digest(optimizer_states_by_name(fresh, fresh_optimizer)) == optimizer_digest(
+        optimizer_states_by_name(model, optimizer)
+    )
+    # ... and training continues exactly as the original does.
+    _step(model, optimizer, corpus, 3)
+    _step(fresh, fresh_optimizer, corpus, 3)
+    assert parameters_digest(fresh.named_parameters()) == parameters_digest(model.named_parameters())
+
+
+def test_nothing_to_restore_means_starting_from_scratch(tmp_path: Path) -> None:
+    assert restore_latest({"sh1": _closed_port()}, tmp_path / "empty", timeout=2.0) is None
+    assert restore_latest({}, None) is None
+
+
+def test_a_state_of_another_model_is_refused(tmp_path: Path) -> None:
+    model, optimizer = _model_and_optimizer(0)
+    _write_snapshot(tmp_path, 0, model, optimizer)
+    state = restore_latest({}, tmp_path)
+    assert state is not None
+    state.parameters["extra.weight"] = torch.zeros(2)
+    with pytest.raises(RecoveryError, match="does not fit this model"):
+        load_state(*_model_and_optimizer(0), state)
+    del state.parameters["extra.weight"]
+    state.parameters["head.weight"] = torch.zeros(3, 3)
+    with pytest.raises(RecoveryError, match="head.weight: state shape"):
+        load_state(*_model_and_optimizer(0), state)
+
+
+def test_digests_see_every_bit() -> None:
+    a = {"w": torch.tensor([1.0, 2.0])}
+    b = {"w": torch.tensor([1.0, torch.nextafter(torch.tensor(2.0), torch.tensor(3.0)).item()])}
+    assert parameters_digest(a) == parameters_digest({"w": torch.tensor([1.0, 2.0])})
+    assert parameters_digest(a) != parameters_digest(b)
+    assert parameters_digest(a) != parameters_digest({"v": torch.tensor([1.0, 2.0])})

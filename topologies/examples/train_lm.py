@@ -1,0 +1,252 @@
+"""Train the tiny byte-level language model with DDP, plus the one Checkmate line; resumable.
+
+An ordinary DDP script: gloo rendezvous from the variables torchrun sets
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), :class:`TinyLM`,
+AdamW with a cosine learning rate set per iteration, gradient clipping, and
+deterministic batches (:func:`batch_for`: a pure function of the iteration,
+so the iteration is the whole data position)::
+
+    python -m topologies.examples.train_lm --iterations 100 --log logs/rank{rank}.jsonl
+
+Checkmate adds one line (``hosts.enable_checkmate``, configured from
+``CHECKMATE_*`` variables, see :class:`hosts.ddp.CheckmateConfig`). With
+``--resume`` (or ``CHECKMATE_RESUME=1``) rank 0 first restores the latest
+certified state — from the shadows' memory, or when they do not answer from
+their snapshot directory (``--snapshot-dir``) — and hands it to every rank;
+training continues at the certified iteration + 1 with that iteration's
+batches (:mod:`topologies.recovery`).
+
+The log (``--log``, ``{rank}`` is replaced; appended to, so a restarted job
+adds to it) holds JSON lines: ``{"event": "start", ...}`` per start, one
+``{"iteration", "loss", "lr", "time", "certified"}`` per iteration
+(``certified``: rank 0's view of the last iteration every shadow applied),
+and ``{"event": "done", "params_sha256", "optimizer_sha256", ...}`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import hosts
+from hosts.ddp import CheckmateConfig
+from topologies.examples.tiny_lm import ModelConfig, TinyLM, batch_for, cosine_lr, load_corpus, loss_of
+from topologies.recovery import (
+    RestoredState,
+    load_state,
+    optimizer_digest,
+    optimizer_states_by_name,
+    parameters_digest,
+    restore_latest,
+    start_agent_at,
+)
+
+logger = logging.getLogger("train_lm")
+
+RESUME_ENV = "CHECKMATE_RESUME"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What one run trains: the schedule, batches, model size and optimizer."""
+
+    iterations: int = 100
+    global_batch: int = 48
+    seed: int = 0
+    peak_lr: float = 3e-3
+    warmup: int = 5
+    weight_decay: float = 0.01
+    max_norm: float = 1.0
+    bucket_cap_mb: float = 0.1
+    """Small buckets: several per iteration, so every shadow owns some."""
+    model: ModelConfig = ModelConfig()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    defaults = TrainConfig()
+    parser.add_argument("--iterations", type=int, default=defaults.iterations, help="total iterations")
+    parser.add_argument(
+        "--global-batch", type=int, default=defaults.global_batch, help="samples per iteration"
+    )
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--lr", type=float, default=defaults.peak_lr, help="peak learning rate")
+    parser.add_argument("--max-norm", type=float, default=defaults.max_norm, help="gradient clipping norm")
+    parser.add_argument("--bucket-cap-mb", type=float, default=defaults.bucket_cap_mb)
+    parser.add_argument("--width", type=int, default=defaults.model.width)
+    parser.add_argument("--layers", type=int, default=defaults.model.layers)
+    parser.add_argument("--heads", type=int, default=defaults.model.heads)
+    parser.add_argument("--context", type=int, default=defaults.model.context)
+    parser.add_argument("--log", type=str, required=True, help="JSON-lines log; {rank} is replaced")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        default=os.environ.get(RESUME_ENV, "") not in ("", "0"),
+        help=f"restore the latest certified state first (also {RESUME_ENV}=1)",
+    )
+    parser.add_argument("--snapshot-dir", type=Path, default=None, help="the shadows' snapshots (fallback)")
+    parser.add_argument("--restore-timeout", type=float, default=20.0, help="seconds to fetch the state")
+    parser.add_argument(
+        "--no-checkmate", action="store_true", help="plain DDP over gloo (for comparison; no shadows)"
+    )
+    return parser
+
+
+def config_from(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        iterations=args.iterations,
+        global_batch=args.global_batch,
+        seed=args.seed,
+        peak_lr=args.lr,
+        max_norm=args.max_norm,
+        bucket_cap_mb=args.bucket_cap_mb,
+        model=ModelConfig(context=args.context, width=args.width, heads=args.heads, layers=args.layers),
+    )
+
+
+class JsonLog:
+    """Appends one JSON object per line and flushes it (a watcher reads the file while it grows)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, **record: Any) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _restore(args: argparse.Namespace, rank: int) -> RestoredState | None:
+    """Rank 0 restores (shadow memory, else disk) and every rank gets the same state."""
+    box: list[RestoredState | None] = [None]
+    if rank == 0:
+        shadows = dict(CheckmateConfig.from_env().shadow_control) if not args.no_checkmate else {}
+        box[0] = restore_latest(shadows, args.snapshot_dir, timeout=args.restore_timeout)
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def settle_buckets(model: DistributedDataParallel, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    """One forward and backward pass without an optimizer step, so DDP's gradient buckets are final.
+
+    DDP starts with buckets in reverse parameter order and rebuilds them once, in
+    the order gradients became ready, at the next forward pass. The ring sums an
+    element in an order that depends on where it sits in its bucket, so a job
+    resumed at iteration t would reduce iteration t with other buckets (and other
+    rounding) than a job that never stopped. Settling the buckets before the first
+    real iteration of every start makes every iteration use the same buckets, so a
+    resumed job is bit-identical to an uninterrupted one. The gradients are dropped.
+    """
+    loss_of(model, inputs, targets).backward()
+    model.module.zero_grad(set_to_none=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("TRAIN_LOG_LEVEL", "WARNING"),
+        format="%(asctime)s rank" + os.environ.get("RANK", "?") + " %(name)s %(levelname)s %(message)s",
+    )
+    logger.info("started")
+    config = config_from(args)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # rendezvous from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    rank, world = dist.get_rank(), dist.get_world_size()
+    logger.info("rendezvous done: rank %d of %d", rank, world)
+    log = JsonLog(Path(args.log.format(rank=rank)))
+    try:
+        restored = _restore(args, rank) if args.resume else None
+        start = restored.next_iteration if restored is not None else 0
+        log.write(
+            event="start",
+            rank=rank,
+            world_size=world,
+            pid=os.getpid(),
+            start_iteration=start,
+            restored_from=restored.iteration if restored is not None else None,
+            source=restored.source if restored is not None else None,
+            detail=restored.detail if restored is not None else None,
+            time=time.time(),
+        )
+
+        corpus = load_corpus()
+        torch.manual_seed(config.seed)  # identical initial weights everywhere (DDP broadcasts them too)
+        module = TinyLM(config.model)
+        optimizer = torch.optim.AdamW(
+            module.parameters(),
+            lr=cosine_lr(start, config.iterations, config.peak_lr, config.warmup),
+            weight_decay=config.weight_decay,
+        )
+        if restored is not None:
+            load_state(module, optimizer, restored)
+        model = DistributedDataParallel(module, bucket_cap_mb=config.bucket_cap_mb)
+        logger.info("model ready (restored: %s)", restored.iteration if restored is not None else None)
+        settle_buckets(
+            model,
+            *batch_for(corpus, config.seed, start, rank, world, config.global_batch, config.model.context),
+        )
+        logger.info("buckets settled")
+        agent = None
+        if not args.no_checkmate:
+            agent = hosts.enable_checkmate(model, optimizer)  # Checkmate: the one added line
+            if restored is not None:
+                start_agent_at(agent, start, restored.optimizer_step)
+
+        logger.info("training from iteration %d", start)
+        for iteration in range(start, config.iterations):
+            for group in optimizer.param_groups:
+                group["lr"] = cosine_lr(iteration, config.iterations, config.peak_lr, config.warmup)
+            inputs, targets = batch_for(
+                corpus, config.seed, iteration, rank, world, config.global_batch, config.model.context
+            )
+            loss = loss_of(model, inputs, targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            hosts.clip_grad_norm_(model.parameters(), config.max_norm)
+            optimizer.step()
+            certified = None
+            if agent is not None and agent.channel is not None:
+                certified = agent.channel.certified_through()
+            log.write(
+                iteration=iteration,
+                loss=round(float(loss.item()), 6),
+                lr=optimizer.param_groups[0]["lr"],
+                time=time.time(),
+                certified=certified,
+            )
+
+        if agent is not None:
+            agent.close()
+        else:
+            dist.barrier()
+        log.write(
+            event="done",
+            rank=rank,
+            iteration=config.iterations - 1,
+            params_sha256=parameters_digest(module.named_parameters()),
+            optimizer_sha256=optimizer_digest(optimizer_states_by_name(module, optimizer)),
+            time=time.time(),
+        )
+        dist.destroy_process_group()
+        return 0
+    finally:
+        log.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
