@@ -91,7 +91,8 @@ class TinyLM(nn.Module):
         length = tokens.shape[1]
         positions = torch.arange(length, device=tokens.device)
         hidden = self.embed(tokens) + self.position(positions)
-        hidden = self.blocks(hidden, mask=self.causal_mask[:length, :length], is_causal=True)
+        mask: torch.Tensor = self.causal_mask  # type: ignore[assignment]
+        hidden = self.blocks(hidden, mask=mask[:length, :length], is_causal=True)
         return self.head(self.norm(hidden))
 
 
