@@ -42,6 +42,7 @@ import struct
 import threading
 from collections.abc import Iterable
 
+from checkmate import wire
 from embedded_switch.state import CounterArray, Replica, SwitchState, Table
 
 Buffer = bytes | bytearray | memoryview
@@ -51,15 +52,16 @@ logger = logging.getLogger(__name__)
 # ---- constants of p4src/shared/defines.p4 -----------------------------------------------------------
 ETHERTYPE_IPV4 = 0x0800
 IP_PROTOCOL_UDP = 17
-CHECKMATE_UDP_PORT = 48879
-CHECKMATE_VERSION = 1
-UDP_HEADER_BYTES = 8
-CHECKMATE_HEADER_BYTES = 32
-CHECKMATE_MSG_DATA = 1
-CHECKMATE_FLAG_REPLICATE = 0x01
-CHECKMATE_DTYPE_FP32 = 1
-CHECKMATE_DTYPE_BF16 = 2
-CHECKMATE_DTYPE_FP16 = 3
+# The Checkmate header constants come from the one wire-format implementation.
+CHECKMATE_UDP_PORT = wire.CHECKMATE_UDP_PORT
+CHECKMATE_VERSION = wire.WIRE_VERSION
+UDP_HEADER_BYTES = wire.UDP_HEADER_BYTES
+CHECKMATE_HEADER_BYTES = wire.HEADER_BYTES
+CHECKMATE_MSG_DATA = int(wire.MessageType.DATA)
+CHECKMATE_FLAG_REPLICATE = int(wire.Flags.REPLICATE)
+CHECKMATE_DTYPE_FP32 = int(wire.DType.FP32)
+CHECKMATE_DTYPE_BF16 = int(wire.DType.BF16)
+CHECKMATE_DTYPE_FP16 = int(wire.DType.FP16)
 UNKNOWN_JOB_SLOT = 0
 
 V1MODEL_DROP_PORT = 511
