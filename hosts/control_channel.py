@@ -221,12 +221,13 @@ class ControlChannel:
     def __init__(self, job_id: int, shadows: Mapping[str, Addr], config: ControlConfig | None = None) -> None:
         self.config = config or ControlConfig()
         self.certified: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self.links = [ShadowLink(n, a, self.config, job_id, self._on_certified) for n, a in shadows.items()]
 
     def _on_certified(self, name: str, message: Certified) -> None:
         with self._lock:
             self.certified[name] = max(self.certified.get(name, -1), message.iteration)
+            self._lock.notify_all()
 
     def certified_through(self) -> int | None:
         """The last iteration every shadow has certified, or None."""
@@ -234,6 +235,17 @@ class ControlChannel:
             if len(self.certified) < len(self.links):
                 return None
             return min(self.certified.values())
+
+    def wait_certified(self, iteration: int, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until every shadow has certified ``iteration``."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while len(self.certified) < len(self.links) or min(self.certified.values()) < iteration:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+            return True
 
     def wait_connected(self, timeout: float) -> int:
         """Wait (at most ``timeout`` in all) for the links to connect; how many did."""

@@ -457,6 +457,15 @@ class CheckmateAgent:
         if self.channel is not None:
             self.channel.post(commit)
 
+    def wait_certified(self, iteration: int, timeout: float) -> bool:
+        """On rank 0: wait (at most ``timeout``) until every shadow has certified ``iteration``.
+
+        Other ranks have no control channel and return True at once.
+        """
+        if self.channel is None:
+            return True
+        return self.channel.wait_certified(iteration, timeout)
+
     # ---- teardown -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"transport": self.transport.stats(), "ring": self.ring.stats()}

@@ -43,9 +43,12 @@ class FakeShadow:
                         break
                     self.messages.append(message)
                     if isinstance(message, Commit):
-                        send_message(
-                            conn, Certified(message.job_id, self.name, message.iteration), timeout=5.0
-                        )
+                        try:
+                            send_message(
+                                conn, Certified(message.job_id, self.name, message.iteration), timeout=5.0
+                            )
+                        except OSError:  # rank 0 closed first
+                            break
                     if isinstance(message, Goodbye):
                         break
 

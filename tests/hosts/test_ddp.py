@@ -60,6 +60,7 @@ def _train(rank: int, world: int, store: str, kind: str, steps: int, checkmate: 
     params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
     out: dict[str, Any] = {"params": params, "norms": norms}
     if agent is not None:
+        out["certified_in_time"] = agent.wait_certified(steps - 1, timeout=30.0)
         out["tags"] = list(agent.ring.tag_log)
         out["stats"] = agent.stats()
         out["commits"] = agent.commits
@@ -126,7 +127,8 @@ def test_ddp_hook_matches_gloo_bit_for_bit_and_reports_to_shadow(kind: str) -> N
         expected = torch.clamp(MAX_NORM / (r0["ours"]["norms"][c.iteration] + 1e-6), max=1.0).item()
         assert c.clip_coefficient == expected and c.clip_coefficient < 1.0
         assert not c.skip_step
-    assert r0["ours"]["stats"]["control"]["shadow0"].get("certified", 0) >= 1
+    assert r0["ours"]["certified_in_time"], "the shadow's Certified replies did not reach rank 0"
+    assert r0["ours"]["stats"]["control"]["shadow0"].get("certified", 0) == steps
 
     # tags: per iteration, each element of each bucket (as the layout says) tagged exactly once
     sizes_by_iteration: dict[int, dict[int, int]] = {}
