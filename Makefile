@@ -4,6 +4,8 @@
 #   make demo    setup + the end-to-end demo (root; DEMO_ARGS="--help" for its options)
 #   make p4      compile p4src/ with p4c (BMv2) into build/ when p4c is installed
 #   make lint    ruff + mypy
+#   make bench   the checkpointing systems side by side (root; results/bench.json, docs/benchmarks.md)
+#   make reliability / make soak   the reliability suite (quick / with soak cases) -> docs/reliability.md
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -17,7 +19,7 @@ BUILD := build
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: help setup system-packages test demo p4 lint bench-switch clean
+.PHONY: help setup system-packages test demo p4 lint bench bench-switch reliability soak clean
 
 help:
 	@sed -n '1,8p' Makefile | sed 's/^# \{0,1\}//'
@@ -72,6 +74,18 @@ p4:
 bench-switch: setup
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench-switch: needs root (network namespaces)"; exit 1; fi
 	$(PY) -m embedded_switch.benchmark $(BENCH_ARGS)
+
+RELIABILITY_ROWS := results/reliability-rows.jsonl
+
+reliability: setup
+	@mkdir -p results && rm -f $(RELIABILITY_ROWS)
+	CHECKMATE_RELIABILITY_OUT=$(RELIABILITY_ROWS) $(PY) -m pytest tests/reliability $(PYTEST_ARGS)
+	$(PY) -m tests.reliability.report $(RELIABILITY_ROWS) --out docs/reliability.md --command "make reliability"
+
+soak: setup
+	@mkdir -p results && rm -f $(RELIABILITY_ROWS)
+	CHECKMATE_RELIABILITY_OUT=$(RELIABILITY_ROWS) $(PY) -m pytest tests/reliability -m 'not slow' $(PYTEST_ARGS)
+	$(PY) -m tests.reliability.report $(RELIABILITY_ROWS) --out docs/reliability.md --command "make soak"
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,86 @@
+"""Render recorded reliability rows as the table in ``docs/reliability.md``.
+
+    python -m tests.reliability.report ROWS.jsonl --out docs/reliability.md
+
+Exits 1 (after writing the document) when any row lost something, so a
+``make`` target that produces the table fails on a bad row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tests.reliability.record import Row, load_rows
+
+HEADER = """# Reliability
+
+What Checkmate survives, as measured by the reliability suite (`tests/reliability/`).
+Every row is written by the test that establishes it, after its assertions held:
+a row exists only if the fault or bad input was injected and nothing was lost.
+"Lost" counts wrong or missing results: a certified iteration whose state differs
+from the workers', a copy that reached a shadow it should not have, a table
+entry or checkpoint that went missing, a process that stopped answering.
+
+Regenerate with `make reliability` (quick cases, also run by `make test`) or
+`make soak` (quick and soak cases). Each row's command reruns just that case.
+"""
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render(rows: Sequence[Row], command: str) -> str:
+    ordered = sorted(rows, key=lambda r: (r.area != "fault", r.target, r.case))
+    lines = [HEADER]
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    machine = f"{platform.machine()}, {platform.system()} {platform.release()}, {os.cpu_count()} CPUs"
+    lines.append(f"Produced {when} ({machine}, Python {platform.python_version()}) by `{command}`.\n")
+    total = sum(r.trials for r in ordered)
+    bad = [r for r in ordered if r.lost]
+    lines.append(
+        f"{len(ordered)} fault and input classes, {total} trials; "
+        + ("**nothing was lost in any of them.**\n" if not bad else f"**{len(bad)} rows lost something.**\n")
+    )
+    lines.append("| Area | Target | Fault or input | Trials | Lost | Recovery | What held | Command |")
+    lines.append("|---|---|---|---:|---:|---:|---|---|")
+    for r in ordered:
+        recovery = "—" if r.recovery_s is None else f"{r.recovery_s:.1f} s"
+        kind = r.area + (" (soak)" if r.marker == "soak" else "")
+        lines.append(
+            f"| {kind} | {_cell(r.target)} | {_cell(r.case)} | {r.trials} | {r.lost} | {recovery} "
+            f"| {_cell(r.held)} | `{_cell(r.command)}` |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("rows", type=Path, help="JSON lines written with CHECKMATE_RELIABILITY_OUT")
+    parser.add_argument("--out", type=Path, required=True, help="the Markdown file to write")
+    parser.add_argument("--command", default="make reliability", help="the command that produced the rows")
+    args = parser.parse_args(argv)
+    try:
+        rows = load_rows(args.rows)
+    except (OSError, ValueError) as exc:
+        print(f"report: {exc}", file=sys.stderr)
+        return 2
+    if not rows:
+        print(f"report: {args.rows} holds no rows (did the suite run?)", file=sys.stderr)
+        return 2
+    args.out.write_text(render(rows, args.command), encoding="utf-8")
+    bad = [r for r in rows if r.lost]
+    for r in bad:
+        print(f"report: {r.case} ({r.test}) lost {r.lost}", file=sys.stderr)
+    print(f"report: wrote {args.out} ({len(rows)} rows)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
