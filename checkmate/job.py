@@ -102,6 +102,12 @@ class JobSpec:
         shadows = self.shadows if shadow in self.shadows else (*self.shadows, shadow)
         return JobSpec(self.job_id, self.workers, shadows, moved, self.shadow_port)
 
+    def with_workers(self, workers: tuple[str, ...] | list[str]) -> JobSpec:
+        """A copy with another worker ring (a job restarted with more or fewer workers)."""
+        spec = JobSpec(self.job_id, tuple(workers), self.shadows, dict(self.shard_to_shadow), self.shadow_port)
+        spec.validate()
+        return spec
+
     # ---- JSON -------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         return {

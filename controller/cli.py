@@ -177,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
         "remove", help="remove a job from the switches and the registry", description="Remove a job."
     )
     remove.add_argument("job_id", type=int)
+    resize = job_cmds.add_parser(
+        "resize",
+        help="give a job another worker ring (elastic restart)",
+        description="Replace a job's workers (ring order) after an elastic restart with more or fewer "
+        "workers; shadows and shard map stay. One batch per switch.",
+    )
+    resize.add_argument("job_id", type=int)
+    resize.add_argument("--workers", type=_names, required=True, help="worker hosts in ring order")
     job_cmds.add_parser(
         "list", help="list registered jobs", description="List registered jobs (no switch access)."
     )
@@ -282,7 +290,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             report = ctl.install_forwarding()
             print(f"forwarding: {report.summary()}")
             return 0
-        writes = (args.command == "job" and args.action in ("add", "remove")) or args.command == "shadow"
+        writes = (args.command == "job" and args.action in ("add", "remove", "resize")) or args.command == "shadow"
         if writes and not args.no_reconcile:
             report = ctl.reconcile()
             if report.changes or report.skipped_jobs:
@@ -299,6 +307,11 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 f"job {spec.job_id} added: slot {record.slot}, {len(record.groups)} multicast group(s), "
                 f"{len(record.rids)} shadow rewrite(s)"
             )
+            return 0
+        if args.action == "resize":
+            record = ctl.resize_job(args.job_id, tuple(args.workers))
+            print(f"job {args.job_id}: workers now {','.join(record.spec.workers)}")
+            _print_job_line(record.spec, record.slot)
             return 0
         if args.action == "remove":
             ctl.remove_job(args.job_id)

@@ -290,6 +290,31 @@ class Controller:
         logger.info("job %d: shard %d now goes to %s", job_id, shard_key, shadow)
         return after
 
+    def resize_job(self, job_id: int, workers: tuple[str, ...]) -> JobRecord:
+        """Give a job another worker ring (an elastic restart), as one batch per switch.
+
+        Replication entries of ring links that remain are kept; those of links that
+        vanished are deleted and new links get theirs. Shadows and shard map are unchanged.
+        """
+        with self.registry.lock():
+            before = self.job(job_id)
+            try:
+                spec = before.spec.with_workers(workers)
+            except JobSpecError as exc:
+                raise JobError(str(exc)) from None
+            after = allocate(
+                self.network, spec, self._taken(job_id), previous=before, max_groups=self.max_groups
+            )
+            changes = job_updates(self.network, before, after)
+            self.connect()
+            codecs = self._all_codecs()
+            apply_change(
+                batches_for(changes, self._connections, codecs), f"job resize {job_id} -> {','.join(workers)}"
+            )
+            self.registry.put_job(after)
+        logger.info("job %d: workers now %s", job_id, ",".join(workers))
+        return after
+
     def remove_job(self, job_id: int) -> JobRecord:
         """Delete everything the switches hold for the job, then forget it."""
         with self.registry.lock():

@@ -204,6 +204,8 @@ class ShadowNode:
         self._repairs: RepairTracker | None = None
         self._restored_from: int | None = None
         self._control_conn: socket.socket | None = None
+        self._job_conn: socket.socket | None = None
+        """The control connection the current job_start came on."""
         self._control_send = threading.Lock()
         self._started = time.time()
         self.snapshotter = Snapshotter(config.snapshots) if config.snapshots is not None else None
@@ -573,17 +575,30 @@ class ShadowNode:
             logger.error("shadow %s: unusable job_start: %s", self.name, exc)
             return False
         with self._lock:
+            new_run = conn is not self._job_conn or (
+                self._job is not None
+                and (self._job.world_size, self._job.workers) != (job.world_size, job.workers)
+            )
             self._job = job
+            self._job_conn = conn
             self._pending_start = message
             self._epoch = None
             self._blocked = None
             self._repairs = RepairTracker(self.config.repair, len(job.workers))
-            for iteration in [i for i in self._stash if i < message.start_iteration]:
+            # Copies of earlier iterations are stale. A job_start on a new control connection
+            # (the job restarted, maybe with another worker count) makes every held copy stale:
+            # the failed run's iterations >= start are redone, possibly with other chunks and
+            # sums. A layout change within a run keeps copies of later iterations (same run).
+            for iteration in [i for i in self._stash if new_run or i < message.start_iteration]:
                 for data, _ in self._stash.pop(iteration):
                     self._stash_bytes -= len(data)
                     self._drop(DropReason.STALE.value)
-            for iteration in [i for i in self._commits if i < message.start_iteration]:
-                del self._commits[iteration]
+            # Commit records arrive on the control connection after their job_start, so any
+            # held for iterations >= start belong to a previous run or layout: drop them all.
+            self._commits.clear()
+            if new_run:
+                self._latest_commit = min(self._latest_commit, message.start_iteration - 1)
+                self._latest_seen = min(self._latest_seen, message.start_iteration - 1)
             self._lock.notify_all()
         logger.info(
             "shadow %s: job %d state before iteration %d received (shard keys %s)",
@@ -642,6 +657,9 @@ class ShadowNode:
                 self._optimizer_step = int(start.extra.get("optimizer_step", self._optimizer_step))
             self._pending_start = None
             self._restored_from = None
+            # Certificates name the job's iterations: after a re-seed at t (a restart may
+            # resume before what an earlier run certified) the next certificate is t - 1's.
+            self._certified = min(self._certified, start.start_iteration - 1)
             self.stats.reseeds += 1
             if self._repairs is not None:
                 self._repairs.forget_before(start.start_iteration)
@@ -649,7 +667,7 @@ class ShadowNode:
             self._fulfil_captures_locked()
             self._lock.notify_all()
         if start.start_iteration >= 1:
-            self._certify(start.start_iteration - 1)
+            self._certify(start.start_iteration - 1, again=True)
         logger.info(
             "shadow %s: owns buckets %s (%d parameters) from iteration %d",
             self.name,
@@ -789,9 +807,10 @@ class ShadowNode:
             self._certify(pending.iteration)
             self._maybe_snapshot(epoch, pending.iteration)
 
-    def _certify(self, iteration: int) -> None:
+    def _certify(self, iteration: int, again: bool = False) -> None:
+        """Certify ``iteration`` to rank 0 (once, unless ``again``: the state rank 0 re-seeded)."""
         with self._lock:
-            if iteration <= self._certified:
+            if iteration < self._certified or (iteration == self._certified and not again):
                 return
             self._certified = iteration
         if self._send_control(Certified(self._job_id(), self.name, iteration)):

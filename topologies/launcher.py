@@ -12,11 +12,17 @@ them: their exit status and the JSON-lines log each worker appends to
 When a worker dies (any non-zero exit, a signal, a worker that stops making
 progress for ``stall_timeout`` seconds, or a start that takes longer than
 ``start_timeout``), the launcher stops the others (SIGTERM, then SIGKILL after
-``stop_grace``) and starts all N again with ``CHECKMATE_RESUME=1``: they
-restore the shadows' latest certified state and continue after it
-(:mod:`topologies.recovery`). At most ``max_restarts`` restarts; the whole run
-is bounded by ``total_timeout``. Lost work is what a restart redoes: the
-iterations the workers had finished beyond the state they resumed from.
+``stop_grace``) and starts the job again with ``CHECKMATE_RESUME=1``: the
+workers restore the shadows' latest certified state and continue after it
+(:mod:`topologies.recovery`). By default all N start again; with
+``shrink_on_failure`` (elastic, like ``torchrun --nnodes=MIN:MAX``) the failed
+worker's host is left out and the job continues with N-1 (never fewer than
+``min_workers``). A ``before_start`` callback sees each incarnation's workers
+before they start, to re-register the job (its ring changed) and hand them
+other environment variables (a job file listing the new ring). At most
+``max_restarts`` restarts; the whole run is bounded by ``total_timeout``.
+Lost work is what a restart redoes: the iterations the workers had finished
+beyond the state they resumed from.
 
 For demos and tests, :class:`KillPlan` entries kill a worker with SIGKILL
 while it works on a given iteration (as soon as it has logged the one before).
@@ -95,6 +101,12 @@ class LaunchConfig:
     stop_grace: float = 5.0
     """Seconds between SIGTERM and SIGKILL when stopping workers."""
     kills: tuple[KillPlan, ...] = ()
+    shrink_on_failure: bool = False
+    """Restart without the host of the worker that failed (when the failure names one)."""
+    min_workers: int = 1
+    """``shrink_on_failure`` never goes below this many workers (it restarts all instead)."""
+    host_addresses: Mapping[str, str] = field(default_factory=dict)
+    """Worker host -> address; rank 0's is the rendezvous address (else ``master_addr``)."""
     net_command: tuple[str, ...] = ()
     """How to call checkmate-net (default: the one next to this Python, else ``python -m topologies.cli``)."""
 
@@ -108,10 +120,12 @@ class LaunchConfig:
 
 @dataclass
 class Incarnation:
-    """One start of all N workers."""
+    """One start of the job's workers."""
 
     number: int
     started: float
+    workers: tuple[str, ...] = ()
+    """Worker hosts in rank order."""
     start_iteration: int | None = None
     restored_from: int | None = None
     source: str | None = None
@@ -127,6 +141,7 @@ class Incarnation:
     def to_json(self) -> dict[str, Any]:
         return {
             "number": self.number,
+            "workers": list(self.workers),
             "start_iteration": self.start_iteration,
             "restored_from": self.restored_from,
             "source": self.source,
@@ -181,6 +196,8 @@ RecordCallback = Callable[[int, int, dict[str, Any]], None]
 """(incarnation, rank, record) for every record a worker logs."""
 EventCallback = Callable[[str, dict[str, Any]], None]
 """(kind, details): ``start``, ``kill``, ``failure``, ``restart``, ``done``."""
+StartCallback = Callable[[int, tuple[str, ...]], Mapping[str, str] | None]
+"""(incarnation, worker hosts in rank order) -> extra environment for its workers, before they start."""
 
 
 def _default_net_command() -> tuple[str, ...]:
@@ -196,12 +213,16 @@ class Launcher:
         config: LaunchConfig,
         on_record: RecordCallback | None = None,
         on_event: EventCallback | None = None,
+        before_start: StartCallback | None = None,
     ) -> None:
         if config.world_size < 1:
             raise ValueError("a job needs at least one worker")
+        if not 1 <= config.min_workers <= config.world_size:
+            raise ValueError(f"min_workers must lie in [1, {config.world_size}], not {config.min_workers}")
         self.config = config
         self.on_record = on_record
         self.on_event = on_event
+        self.before_start = before_start
         self.incarnations: list[Incarnation] = []
         self._workers: list[_Worker] = []
         self._net = config.net_command or _default_net_command()
@@ -213,12 +234,14 @@ class Launcher:
         started = time.monotonic()
         deadline = started + config.total_timeout
         config.log_dir.mkdir(parents=True, exist_ok=True)
+        workers = tuple(config.workers)
         try:
             while True:
                 number = len(self.incarnations)
-                incarnation = Incarnation(number=number, started=time.time())
+                extra_env = dict(self.before_start(number, workers) or {}) if self.before_start else {}
+                incarnation = Incarnation(number=number, started=time.time(), workers=workers)
                 self.incarnations.append(incarnation)
-                self._spawn(incarnation, resume=number > 0)
+                self._spawn(incarnation, resume=number > 0, extra_env=extra_env)
                 self._emit("start", {"incarnation": number})
                 done = self._watch(incarnation, deadline)
                 incarnation.ended = time.time()
@@ -236,7 +259,8 @@ class Launcher:
                     )
                 if time.monotonic() >= deadline:
                     raise LaunchError(f"the job did not finish within {config.total_timeout:.0f} s")
-                self._emit("restart", {"incarnation": number + 1})
+                workers = self._next_workers(incarnation)
+                self._emit("restart", {"incarnation": number + 1, "workers": list(workers)})
         finally:
             self.close()
 
@@ -244,22 +268,41 @@ class Launcher:
         """Stop every worker still running (SIGTERM, then SIGKILL) and close their output files."""
         self._stop_all()
 
+    def _next_workers(self, failed: Incarnation) -> tuple[str, ...]:
+        """The hosts of the next incarnation: the same, or without the failed one (elastic)."""
+        workers = failed.workers
+        rank = failed.failed_rank
+        if not self.config.shrink_on_failure or rank is None:
+            return workers
+        if len(workers) - 1 < self.config.min_workers:
+            logger.warning(
+                "not leaving out %s: the job needs at least %d workers",
+                workers[rank],
+                self.config.min_workers,
+            )
+            return workers
+        logger.info("leaving out %s (rank %d), which failed", workers[rank], rank)
+        return workers[:rank] + workers[rank + 1 :]
+
     # ---- spawning -------------------------------------------------------------------------
-    def _spawn(self, incarnation: Incarnation, resume: bool) -> None:
+    def _spawn(self, incarnation: Incarnation, resume: bool, extra_env: Mapping[str, str]) -> None:
         config = self.config
         self._workers = []
         port = config.master_port + incarnation.number
-        for rank, host in enumerate(config.workers):
+        world = len(incarnation.workers)
+        master = config.host_addresses.get(incarnation.workers[0], config.master_addr)
+        for rank, host in enumerate(incarnation.workers):
             log = config.log_path(rank)
             offset = log.stat().st_size if log.exists() else 0
             env = {
                 **os.environ,
                 **config.env,
+                **extra_env,
                 "RANK": str(rank),
                 "LOCAL_RANK": "0",
-                "WORLD_SIZE": str(config.world_size),
+                "WORLD_SIZE": str(world),
                 "LOCAL_WORLD_SIZE": "1",
-                "MASTER_ADDR": config.master_addr,
+                "MASTER_ADDR": master,
                 "MASTER_PORT": str(port),
                 "GLOO_SOCKET_IFNAME": "eth0",
                 "OMP_NUM_THREADS": "1",
@@ -310,7 +353,7 @@ class Launcher:
             for worker in self._workers:
                 for record in self._read(worker):
                     self._note(incarnation, worker, record, done)
-            if len(done) == config.world_size and all(w.process.poll() is not None for w in self._workers):
+            if len(done) == len(self._workers) and all(w.process.poll() is not None for w in self._workers):
                 bad = {w.rank: w.process.returncode for w in self._workers if w.process.returncode != 0}
                 if not bad:
                     incarnation.exit_codes = {w.rank: 0 for w in self._workers}

@@ -226,30 +226,6 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: Restor
     optimizer.load_state_dict({"state": per_index, "param_groups": saved["param_groups"]})
 
 
-def start_agent_at(agent: Any, iteration: int, optimizer_step: int) -> None:
-    """Number a freshly enabled Checkmate agent's iterations from ``iteration`` (a resumed job).
-
-    ``hosts.enable_checkmate`` numbers all-reduce iterations from 0 and sends the
-    shadows the initial state as "before iteration 0". A job resumed at
-    iteration ``t`` must keep the job's numbering (the shadows' snapshots and
-    certificates are named by it), so right after ``enable_checkmate`` — before
-    the first forward pass — this moves the counter and re-sends the state as
-    "before iteration ``t``" on the control channel (the shadows re-seed from
-    the later job_start). Stop-gap until :class:`hosts.ddp.CheckmateConfig`
-    takes a start iteration.
-    """
-    if iteration <= 0:
-        return
-    if agent.iteration != 0 or agent.optimizer_steps != 0:
-        raise RecoveryError("start_agent_at must be called right after enable_checkmate, before training")
-    agent.iteration = iteration
-    agent.optimizer_steps = optimizer_step
-    if agent.channel is not None:
-        # Links that already took the state "before iteration 0" queue this one after it; links
-        # still connecting get the state with the right numbering after the first step.
-        agent.channel.post(agent._job_start(iteration))
-
-
 # ---- the digest command (run inside a host that reaches the shadows) ----------------------
 def _address(text: str) -> tuple[str, Addr]:
     name, sep, rest = text.partition("=")

@@ -150,6 +150,32 @@ def test_shadow_move_changes_where_copies_go(fabric: Callable[..., Fabric]) -> N
         ctl.move_shard(7, 5, "sh1")
 
 
+def test_resize_rewires_the_ring_and_copies_only_on_its_links(fabric: Callable[..., Fabric]) -> None:
+    f, ctl = ready(fabric)
+    ctl.add_job(JOB)  # ring h1 -> h2 -> h3 -> h4 -> h1
+    assert sorted(f.send("h1", gradient("h1", "h2", f.network, shard_key=1))) == ["h2", "sh2"]
+    assert sorted(f.send("h1", gradient("h1", "h3", f.network, shard_key=1))) == ["h3"]
+
+    record = ctl.resize_job(7, ("h1", "h3", "h4"))  # h2 failed: the job restarts with three
+    assert record.spec.workers == ("h1", "h3", "h4") and record.spec.shadows == JOB.shadows
+    assert sorted(f.send("h1", gradient("h1", "h3", f.network, shard_key=1))) == ["h3", "sh2"]
+    assert sorted(f.send("h4", gradient("h4", "h1", f.network, shard_key=0))) == ["h1", "sh1"]
+    assert sorted(f.send("h1", gradient("h1", "h2", f.network, shard_key=1))) == ["h2"]  # gone
+    assert sorted(f.send("h2", gradient("h2", "h3", f.network, shard_key=1))) == ["h3"]
+    assert ctl.reconcile().changes == 0
+    # as many entries as adding the resized job afresh (ids may differ: resize keeps the old ones)
+    installed = ctl.read_installed("s1")
+    ctl.remove_job(7)
+    ctl.add_job(JobSpec(7, ("h1", "h3", "h4"), ("sh1", "sh2")))
+    assert sorted(k[:2] for k in ctl.read_installed("s1") if k[0] == "table") == sorted(
+        k[:2] for k in installed if k[0] == "table"
+    )
+    assert len(ctl.read_installed("s1")) == len(installed)
+    with pytest.raises(JobError, match="at least 2 workers"):
+        ctl.resize_job(7, ("h1",))
+    assert ctl.job(7).spec.workers == ("h1", "h3", "h4")
+
+
 def test_reconcile_after_restart_and_after_deletions_behind_its_back(fabric: Callable[..., Fabric]) -> None:
     f, ctl = ready(fabric, "leafspine")
     ctl.add_job(JOB)
