@@ -104,7 +104,9 @@ class JobSpec:
 
     def with_workers(self, workers: tuple[str, ...] | list[str]) -> JobSpec:
         """A copy with another worker ring (a job restarted with more or fewer workers)."""
-        spec = JobSpec(self.job_id, tuple(workers), self.shadows, dict(self.shard_to_shadow), self.shadow_port)
+        spec = JobSpec(
+            self.job_id, tuple(workers), self.shadows, dict(self.shard_to_shadow), self.shadow_port
+        )
         spec.validate()
         return spec
 

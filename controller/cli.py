@@ -290,7 +290,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             report = ctl.install_forwarding()
             print(f"forwarding: {report.summary()}")
             return 0
-        writes = (args.command == "job" and args.action in ("add", "remove", "resize")) or args.command == "shadow"
+        writes = (
+            args.command == "job" and args.action in ("add", "remove", "resize")
+        ) or args.command == "shadow"
         if writes and not args.no_reconcile:
             report = ctl.reconcile()
             if report.changes or report.skipped_jobs:
