@@ -81,6 +81,9 @@ class DemoConfig:
     kill_iteration: int | None = 40
     """The iteration during which a worker is killed (None: no failure)."""
     kill_rank: int = 1
+    elastic: bool = False
+    """Restart without the failed worker's host (N-1 workers; the job is resized at the switch)
+    instead of all N: the job continues, but is no longer bit-identical to the reference."""
     shadows_fail_too: bool = False
     """Stop the shadows together with the failed worker: the job must restore from their snapshots."""
     reference: bool = True
@@ -124,14 +127,22 @@ class RunSeries:
     """incarnation -> iteration -> when rank 0 logged it (epoch seconds)."""
     starts: dict[int, dict[str, Any]] = field(default_factory=dict)
     """incarnation -> rank 0's start record."""
+    restored: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """incarnation -> rank 0's record of the state it restored (its digests)."""
+    digests: dict[int, dict[int, str]] = field(default_factory=dict)
+    """incarnation -> iteration -> rank 0's parameter digest after it (``--log-digests`` runs)."""
     result: LaunchResult | None = None
 
     def add(self, incarnation: int, rank: int, record: dict[str, Any]) -> None:
         if record.get("event") == "start" and rank == 0:
             self.starts[incarnation] = record
+        if record.get("event") == "restored" and rank == 0:
+            self.restored[incarnation] = record
         if "loss" not in record:
             return
         iteration = int(record["iteration"])
+        if rank == 0 and "params_sha256" in record:
+            self.digests.setdefault(incarnation, {})[iteration] = str(record["params_sha256"])
         self.losses.setdefault(incarnation, {}).setdefault(iteration, []).append(float(record["loss"]))
         if rank == 0:
             self.certified.setdefault(incarnation, {})[iteration] = record.get("certified")
@@ -195,7 +206,8 @@ class DemoResult:
                 and self.shadow_digest["iteration"] == config.iterations - 1
             )
         reference_equal: bool | None = None
-        if self.reference is not None and self.reference.result is not None:
+        elastic = self.elastic_summary()
+        if self.reference is not None and self.reference.result is not None and elastic is None:
             ref_done = self.reference.result.done
             reference_equal = workers_agree and {d["params_sha256"] for d in ref_done.values()} == digests
         lost = result.lost_iterations()
@@ -247,7 +259,45 @@ class DemoResult:
             "phases_seconds": {k: round(v, 2) for k, v in self.phases.items()},
             "seconds": round(self.seconds, 1),
             "target": config.target,
+            "elastic": elastic,
             "notes": self.notes,
+        }
+
+    def elastic_summary(self) -> dict[str, Any] | None:
+        """After a restart with another worker count: was the restored state right, is the loss continuous?
+
+        None when every incarnation had the same workers. The restored state (rank 0's
+        digest of what it loaded) is compared with the uninterrupted reference run's state
+        after the same iteration (same worker count up to there, so bit-identical); the
+        loss after the restart with the reference's loss at the same iterations (same
+        global batch, other summation order: close, not equal).
+        """
+        result = self.main.result
+        assert result is not None
+        counts = [len(i.workers) for i in result.incarnations]
+        if len(set(counts)) <= 1:
+            return None
+        last = len(result.incarnations) - 1
+        restored = self.main.restored.get(last, {})
+        restored_equal: bool | None = None
+        deviations: list[float] = []
+        if self.reference is not None:
+            reference_digests = self.reference.digests.get(0, {})
+            at = restored.get("iteration")
+            if at is not None and int(at) in reference_digests:
+                restored_equal = restored.get("params_sha256") == reference_digests[int(at)]
+            reference_loss = self.reference.mean_loss(0)
+            for iteration, loss in self.main.mean_loss(last).items():
+                if iteration in reference_loss:
+                    deviations.append(abs(loss - reference_loss[iteration]) / abs(reference_loss[iteration]))
+        return {
+            "workers_per_incarnation": counts,
+            "restored_state_equals_reference": restored_equal,
+            "loss_max_relative_deviation_after_restart": round(max(deviations), 6) if deviations else None,
+            "loss_mean_relative_deviation_after_restart": (
+                round(statistics.fmean(deviations), 6) if deviations else None
+            ),
+            "compared_iterations": len(deviations),
         }
 
     def certified_iterations(self) -> int:
@@ -435,10 +485,17 @@ class DemoRun:
         assert self.network is not None
         return str(self.network.host(host).address)
 
-    def _write_job_file(self, path: Path, with_shadows: bool) -> None:
+    def _write_job_file(
+        self,
+        path: Path,
+        with_shadows: bool,
+        job: dict[str, Any] | None = None,
+        workers: Sequence[str] | None = None,
+    ) -> None:
+        ring = self.config.workers if workers is None else workers
         document = {
-            "job": self.job,
-            "worker_addresses": [f"{self._address(w)}:{CHECKMATE_UDP_PORT}" for w in self.config.workers],
+            "job": self.job if job is None else job,
+            "worker_addresses": [f"{self._address(w)}:{CHECKMATE_UDP_PORT}" for w in ring],
             "shadow_control": self._shadow_control() if with_shadows else {},
         }
         path.write_text(json.dumps(document, indent=1))
@@ -493,14 +550,21 @@ class DemoRun:
             return {}
         return document
 
-    def _launch_config(self, log_dir: Path, job_file: Path, kills: tuple[KillPlan, ...]) -> LaunchConfig:
+    def _launch_config(
+        self, log_dir: Path, job_file: Path, kills: tuple[KillPlan, ...], reference: bool
+    ) -> LaunchConfig:
         config = self.config
         args = ["--iterations", str(config.iterations), "--global-batch", str(config.global_batch)]
         args += ["--log", str(log_dir / "rank{rank}.jsonl"), "--snapshot-dir", str(self.snapshot_dir)]
+        if config.elastic and reference:
+            args.append("--log-digests")  # to check the state the elastic restart restored
         return LaunchConfig(
             run_dir=self.net_dir,
             workers=config.workers,
             master_addr=self._address(config.workers[0]),
+            host_addresses={w: self._address(w) for w in config.workers},
+            shrink_on_failure=config.elastic and not reference,
+            min_workers=2,
             command=(config.python, "-m", "topologies.examples.train_lm", *args, *config.model_args),
             log_dir=log_dir,
             env={
@@ -548,11 +612,30 @@ class DemoRun:
                     )
                     self._stop_shadows()
             elif kind == "restart":
-                self.observer.say(
-                    f"restarting all {len(config.workers)} workers from the latest certified state"
-                )
+                workers = details.get("workers", config.workers)
+                if len(workers) == len(config.workers):
+                    self.observer.say(
+                        f"restarting all {len(workers)} workers from the latest certified state"
+                    )
+                else:
+                    self.observer.say(
+                        f"restarting with {len(workers)} workers ({', '.join(workers)}) from the latest "
+                        "certified state; the job is resized at the switch"
+                    )
 
-        self._launcher = Launcher(self._launch_config(log_dir, job_file, kills), on_record, on_event)
+        def before_start(incarnation: int, workers: tuple[str, ...]) -> dict[str, str] | None:
+            if not with_shadows or tuple(workers) == tuple(config.workers):
+                return None
+            # Another ring: the switch must copy on the new ring links, and the workers need
+            # a job file listing it.
+            self._ctl("job", "resize", str(config.job_id), "--workers", ",".join(workers))
+            shown = json.loads(self._ctl("job", "show", str(config.job_id), "--json").stdout)
+            path = self.work / f"job-file-{incarnation}.json"
+            self._write_job_file(path, with_shadows=True, job=shown["job"], workers=workers)
+            return {"CHECKMATE_JOB_FILE": str(path)}
+
+        launch = self._launch_config(log_dir, job_file, kills, reference=series.name != "main")
+        self._launcher = Launcher(launch, on_record, on_event, before_start)
         self._workers_ran = True
         try:
             series.result = self._launcher.run()
@@ -903,6 +986,13 @@ def print_summary(
         ("copies to shadows", f"{summary['shadow_copies_packets']} packets (switch counter)"),
         ("total time", f"{summary['seconds']} s"),
     ]
+    elastic = summary.get("elastic")
+    if elastic:
+        counts = " -> ".join(map(str, elastic["workers_per_incarnation"]))
+        deviation = elastic["loss_max_relative_deviation_after_restart"]
+        rows.insert(-4, ("elastic restart", f"workers {counts} (not bit-identical to the reference)"))
+        rows.insert(-4, ("restored == uninterrupted", yes_no(elastic["restored_state_equals_reference"])))
+        rows.insert(-4, ("loss after restart", f"max relative deviation from uninterrupted: {deviation}"))
     for key, value in rows:
         table.add_row(key, value)
     console.print(table)
@@ -932,6 +1022,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-reference", action="store_true", help="skip the uninterrupted run (bit-identity check)"
     )
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="restart without the failed worker's host (N-1 workers, job resized at the switch)",
+    )
     parser.add_argument("--work-dir", type=Path, default=defaults.work_dir)
     parser.add_argument("--results", type=Path, default=defaults.results_dir)
     parser.add_argument("--target", choices=["embedded", "bmv2"], default=defaults.target)
@@ -959,6 +1054,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kill_iteration=None if args.no_failure else args.kill_at,
         kill_rank=args.kill_rank,
         shadows_fail_too=args.shadows_fail_too,
+        elastic=args.elastic,
         reference=not args.no_reference,
         work_dir=args.work_dir,
         results_dir=args.results,

@@ -28,13 +28,14 @@ ITERATIONS = 14
 KILL_DURING = 6
 
 
-def _run(tmp_path: Path, shadows_fail_too: bool) -> tuple[dict[str, Any], DemoRun]:
+def _run(tmp_path: Path, shadows_fail_too: bool, elastic: bool = False) -> tuple[dict[str, Any], DemoRun]:
     before = root_interfaces()
     config = DemoConfig(
         iterations=ITERATIONS,
         kill_iteration=KILL_DURING,
         kill_rank=1,
         shadows_fail_too=shadows_fail_too,
+        elastic=elastic,
         reference=True,
         global_batch=12,
         model_args=SMALL_MODEL,
@@ -82,3 +83,28 @@ def test_restores_from_the_snapshots_when_the_shadows_are_gone(tmp_path: Path) -
     assert summary["shadow_equals_workers"] is None  # nothing left to compare with
     assert summary["recovered_equals_uninterrupted"] is True
     assert any(demo.snapshot_dir.glob("step-*")), "no snapshot was written"
+
+
+def test_restart_with_fewer_workers_continues_from_the_certified_state(tmp_path: Path) -> None:
+    summary, demo = _run(tmp_path, shadows_fail_too=False, elastic=True)
+    assert summary["restarts"] == 1, summary["incarnations"]
+    first, second = summary["incarnations"]
+    assert first["workers"] == ["h1", "h2", "h3"] and first["killed"]["host"] == "h2"
+    assert second["workers"] == ["h1", "h3"]  # h2 is left out: two workers continue
+    assert summary["restore_source"] == "shadow-memory"
+    assert summary["lost_iterations"] <= 1
+    elastic = summary["elastic"]
+    assert elastic["workers_per_incarnation"] == [3, 2]
+    # The state two workers restored is the three-worker job's state after that iteration, bit
+    # for bit (the uninterrupted reference logged its digest every iteration).
+    assert elastic["restored_state_equals_reference"] is True
+    # The loss goes on where it was: same global batch, only the summation order differs.
+    assert elastic["compared_iterations"] == ITERATIONS - summary["resumed_from_iteration"]
+    assert elastic["loss_max_relative_deviation_after_restart"] < 0.01, elastic
+    # The shadows followed the smaller job: they hold exactly the two workers' final state, and
+    # every iteration was certified across the restart.
+    assert summary["workers_agree"] and summary["shadow_equals_workers"] is True
+    assert summary["certified_iterations"] == ITERATIONS
+    assert summary["recovered_equals_uninterrupted"] is None  # not expected with another count
+    job_files = sorted(p.name for p in demo.work.glob("job-file-*.json"))
+    assert "job-file-1.json" in job_files
