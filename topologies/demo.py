@@ -1093,6 +1093,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         paths = write_results(result, config.results_dir)
     print_summary(console, summary, *paths)
     checks = [summary["shadow_equals_workers"], summary["recovered_equals_uninterrupted"]]
+    if summary.get("elastic"):
+        checks.append(summary["elastic"]["restored_state_equals_reference"])
     ok = all(c is not False for c in checks) and summary["lost_iterations"] <= 1
     return 0 if ok else 1
 
