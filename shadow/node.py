@@ -645,12 +645,22 @@ class ShadowNode:
                     f"bucket layout from iteration {message.first_iteration} without the state before it "
                     f"(have state for {have}): parameters may have moved between shadows",
                 )
-            try:
-                epoch = self._build_epoch(job, start, message)
-            except (OptimizerSpecError, KeyError, ValueError) as exc:
-                logger.error("shadow %s: cannot join job %d: %s", self.name, job.job_id, exc)
+        # Built without the lock: the first optimizer a process builds takes seconds (torch
+        # initialises its optimizer machinery), and copies must keep arriving meanwhile
+        # (there is no epoch yet, so they are stashed).
+        try:
+            epoch = self._build_epoch(job, start, message)
+        except (OptimizerSpecError, KeyError, ValueError) as exc:
+            logger.error("shadow %s: cannot join job %d: %s", self.name, job.job_id, exc)
+            with self._lock:
                 self._blocked = f"cannot join: {exc}"
+            return True
+        with self._lock:
+            if self._pending_start is not start or self._job is not job:
+                logger.info("shadow %s: layout for iteration %d superseded", self.name, start.start_iteration)
                 return True
+            self._generation += 1
+            epoch.generation = self._generation
             with self._state_lock:
                 self._epoch = epoch
                 self._applied = start.start_iteration - 1
@@ -703,9 +713,8 @@ class ShadowNode:
         window = IterationWindow(
             job.job_id, window_layouts, owned_buckets, start.start_iteration, horizon=self.config.horizon
         )
-        self._generation += 1
         return _Epoch(
-            generation=self._generation,
+            generation=0,  # numbered when it is installed
             first_iteration=start.start_iteration,
             layout=layout,
             owned_buckets=owned_buckets,

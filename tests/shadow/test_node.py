@@ -88,11 +88,13 @@ class Rank0:
         send_message(self.sock, message, timeout=2)
 
     def _read(self) -> None:
-        try:
-            while True:
+        while True:
+            try:
                 self.received.append(recv_message(self.sock, timeout=30))
-        except (OSError, ValueError):
-            return
+            except TimeoutError:
+                continue  # send() sets the shared socket's timeout to 2 s: quiet is not the end
+            except (OSError, ValueError):
+                return
 
     def close(self) -> None:
         self.sock.close()
@@ -198,7 +200,8 @@ def join(node: ShadowNode, workers: list[tuple[str, int]] | None = None) -> Rank
     rank0 = Rank0(node)
     rank0.send(job_start(workers or [("127.0.0.60", 9), ("127.0.0.61", 9)]))
     rank0.send(BucketLayout(JOB, 0, LAYOUT))
-    assert wait_for(lambda: node.status()["state"] == "running")
+    # the first optimizer a process builds takes seconds (more on a busy machine)
+    assert wait_for(lambda: node.status()["state"] == "running", timeout=60), node.status()
     return rank0
 
 
