@@ -243,3 +243,51 @@ def shadow1_copy(pkt: Packet | bytes) -> bytes:
 
 def shadow2_copy(pkt: Packet | bytes) -> bytes:
     return replica(pkt, SH2_MAC, SH2_IP, SH2_UDP_PORT)
+
+
+# ---- spoofed tagged packets (job 7's id, REPLICATE set, well formed) -----------------------------------
+@dataclass(frozen=True)
+class Spoofed:
+    """A tagged packet from where job 7 did not enroll it: forwarded uncopied, counted as rejected."""
+
+    name: str
+    ingress_port: int
+    packet: Packet
+    out_port: int
+    out_mac: str
+
+
+def _spoofed(src_mac: str, src_ip: str, dst_ip: str, shard_key: int = SHARD_SHADOW1) -> Packet:
+    pkt = checkmate_packet(dst_ip=dst_ip, shard_key=shard_key)
+    pkt[Ether].src = src_mac
+    pkt[IP].src = src_ip
+    return pkt
+
+
+SPOOFED: tuple[Spoofed, ...] = (
+    Spoofed("from a worker port not enrolled", W1_PORT, _spoofed(W1_MAC, W1_IP, W0_IP), W0_PORT, W0_MAC),
+    Spoofed("from a shadow port", SH1_PORT, _spoofed(SH1_MAC, SH1_IP, W1_IP), W1_PORT, W1_MAC),
+    Spoofed(
+        "from a shadow port claiming worker 0's addresses",
+        SH2_PORT,
+        _spoofed(W0_MAC, W0_IP, W1_IP, shard_key=SHARD_SHADOW2),
+        W1_PORT,
+        W1_MAC,
+    ),
+    Spoofed(
+        "enrolled port, unknown shard key",
+        W0_PORT,
+        _spoofed(W0_MAC, W0_IP, W1_IP, shard_key=77),
+        W1_PORT,
+        W1_MAC,
+    ),
+    Spoofed(
+        "enrolled port and shard key, wrong next hop",
+        W0_PORT,
+        _spoofed(W0_MAC, W0_IP, "10.0.1.9"),
+        W0_PORT,
+        W0_MAC,
+    ),
+)
+"""Each is forwarded by its route only: nothing reaches a shadow port, ``rejected_replications``
+counts it at job 7's slot."""

@@ -86,6 +86,16 @@ def test_non_enrolled_port_is_forwarded_not_copied_and_counted(
     assert p4rt.read_counter("shadow_copies", sc.JOB_SLOT) == (0, 0)
 
 
+@pytest.mark.parametrize("case", sc.SPOOFED, ids=[c.name for c in sc.SPOOFED])
+def test_spoofed_tagged_packet_reaches_no_shadow(
+    switch: Rig, p4rt: P4RuntimeTestClient, case: sc.Spoofed
+) -> None:
+    switch.send(case.ingress_port, case.packet)
+    switch.expect({case.out_port: [sc.routed(case.packet, case.out_mac)]})
+    assert p4rt.read_counter("rejected_replications", sc.JOB_SLOT) == (1, len(bytes(case.packet)))
+    assert p4rt.read_counter("shadow_copies", sc.JOB_SLOT) == (0, 0)
+
+
 def test_unknown_job_is_counted_at_slot_zero(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
     pkt = sc.checkmate_packet(job_id=sc.UNKNOWN_JOB_ID)
     switch.send(sc.W0_PORT, pkt)
