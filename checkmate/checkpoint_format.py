@@ -213,17 +213,24 @@ def update_latest(root: Path, step: int) -> None:
 
 def read_latest(root: Path) -> int | None:
     try:
-        match = STEP_DIR.match((root / "latest").read_text().strip())
+        match = STEP_DIR.match((root / "latest").read_text(encoding="utf-8").strip())
     except FileNotFoundError:
+        return None
+    except UnicodeDecodeError:
+        logger.warning("%s: not a step name; ignored", root / "latest")
         return None
     return int(match.group(1)) if match else None
 
 
 def _load_json(path: Path) -> dict[str, Any]:
     try:
-        document = json.loads(path.read_text())
+        document = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(
+            f"{path}: not valid JSON (not UTF-8 text: {exc.reason} at byte {exc.start})"
+        ) from None
     if not isinstance(document, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     version = document.get("format_version")
@@ -276,6 +283,54 @@ def prune(root: Path, keep: int) -> list[int]:
     return sorted(removed)
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _checked_parameters(value: object, path: Path) -> dict[str, dict[str, Any]]:
+    """global.json's ``parameters``, or a CheckpointError saying what is malformed."""
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: 'parameters' is missing or not an object")
+    for name, meta in value.items():
+        shape = meta.get("shape") if isinstance(meta, dict) else None
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise CheckpointError(f"{path}: parameter {name!r} has no valid shape (a list of sizes)")
+    return value
+
+
+_ENTRY_FIELDS = {
+    "name": str,
+    "state": str,
+    "key": str,
+    "sha256": str,
+    "shape": list,
+    "start": int,
+    "end": int,
+}
+
+
+def _checked_manifest(manifest: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A shard manifest whose fields have the types the reader relies on, else a CheckpointError."""
+    file = manifest.get("file")
+    if not isinstance(file, str) or not file or Path(file).name != file:
+        raise CheckpointError(f"{path}: 'file' is missing or not a file name in the step's directory")
+    if not isinstance(manifest.get("file_sha256"), str):
+        raise CheckpointError(f"{path}: 'file_sha256' is missing or not a string")
+    entries = manifest.get("entries")
+    if not isinstance(entries, list):
+        raise CheckpointError(f"{path}: 'entries' is missing or not a list")
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{path}: entry {i} is not an object")
+        for key, kind in _ENTRY_FIELDS.items():
+            value = entry.get(key)
+            if not isinstance(value, kind) or (kind is int and not _is_int(value)):
+                raise CheckpointError(f"{path}: entry {i} field {key!r} is missing or not a {kind.__name__}")
+        if not 0 <= entry["start"] <= entry["end"]:
+            raise CheckpointError(f"{path}: entry {i} has the range [{entry['start']}, {entry['end']})")
+    return manifest
+
+
 class CheckpointReader:
     """A validated view of one complete step; reads only the bytes asked for."""
 
@@ -293,7 +348,9 @@ class CheckpointReader:
         self.global_state = _load_json(self.directory / "global.json")
         if self.global_state.get("step") != step:
             raise CheckpointError(f"{self.directory}/global.json says step {self.global_state.get('step')}")
-        self.parameters: dict[str, dict[str, Any]] = self.global_state["parameters"]
+        self.parameters: dict[str, dict[str, Any]] = _checked_parameters(
+            self.global_state.get("parameters"), self.directory / "global.json"
+        )
         self.slices: dict[tuple[str, str], list[TensorSlice]] = {}
         self.manifests = self._load_manifests()
         self._validate_coverage()
@@ -312,7 +369,7 @@ class CheckpointReader:
             )
         manifests = []
         for path in complete[0]:
-            manifest = _load_json(path)
+            manifest = _checked_manifest(_load_json(path), path)
             if manifest.get("step") != self.step:
                 raise CheckpointError(f"{path}: belongs to step {manifest.get('step')}, not {self.step}")
             if not (self.directory / manifest["file"]).is_file():

@@ -180,9 +180,13 @@ class Network:
         """Read and validate a description file."""
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise NetworkError(f"cannot read network description {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise NetworkError(
+                f"{path} is not valid JSON: not UTF-8 text ({exc.reason} at byte {exc.start})"
+            ) from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:

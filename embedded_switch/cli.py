@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
+from google.protobuf import text_format
+
 from embedded_switch.ports import MAX_PORT, PortBinding, PortError, PortsConfig, SwitchPorts
 from embedded_switch.program import P4INFO_PATH, ProgramMismatchError, build_state, check_program, load_p4info
 
@@ -241,7 +243,10 @@ def run(config: SwitchConfig, stop: threading.Event) -> int:
     state = None
     info = None
     if config.p4info is not None:
-        info = load_p4info(config.p4info)
+        try:
+            info = load_p4info(config.p4info)
+        except text_format.ParseError as exc:
+            raise ProgramMismatchError(f"{config.p4info} is not a P4Info text file: {exc}") from None
         check_program(info)
         state = build_state(info)
     ports = SwitchPorts(

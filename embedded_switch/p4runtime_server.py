@@ -173,6 +173,8 @@ def _batch_failure(results: Sequence[p4runtime_pb2.Error]) -> _Failure:
     message = f"{len(failed)} of {len(results)} updates failed"
     if kept == len(results):
         return _Failure(code_pb2.UNKNOWN, message, details=results)
+    # the cause first: in a rolled-back batch every other update is merely ABORTED
+    failed.sort(key=lambda i: (results[i].canonical_code == code_pb2.ABORTED, i))
     shown = ", ".join(f"{i} {_code_name(results[i].canonical_code)}" for i in failed[:10])
     more = ", ..." if len(failed) > 10 else ""
     message += (

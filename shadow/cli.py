@@ -16,7 +16,7 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -36,21 +36,59 @@ def parse_address(text: str, default_port: int) -> tuple[str, int]:
     if not sep:
         return text, default_port
     try:
-        return host or "0.0.0.0", int(port)
+        number = int(port)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not HOST[:PORT]") from None
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: port {number} is outside 0..65535")
+    return host or "0.0.0.0", number
+
+
+def _address(default_port: int) -> Callable[[str], str]:
+    """An argparse type that checks HOST[:PORT] (usage error, exit 2) and keeps the text."""
+
+    def check(text: str) -> str:
+        parse_address(text, default_port)
+        return text
+
+    return check
+
+
+def _shard_keys(text: str) -> str:
+    try:
+        keys = [int(k) for k in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of shard keys") from None
+    if any(not 0 <= k <= 0xFFFF for k in keys):
+        raise argparse.ArgumentTypeError(f"{text!r}: shard keys lie in 0..65535")
+    return text
+
+
+_LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="checkmate-shadow", description=__doc__.split("\n")[0])
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=_LOG_LEVELS)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a shadow node (until interrupted)")
     run.add_argument("--name", required=True, help="this shadow's name in the job's shard map")
-    run.add_argument("--control", default=f"0.0.0.0:{DEFAULT_CONTROL_PORT}", help="TCP HOST:PORT")
-    run.add_argument("--data", default=f"0.0.0.0:{CHECKMATE_UDP_PORT}", help="UDP HOST:PORT for copies")
+    run.add_argument(
+        "--control",
+        default=f"0.0.0.0:{DEFAULT_CONTROL_PORT}",
+        type=_address(DEFAULT_CONTROL_PORT),
+        help="TCP HOST:PORT",
+    )
+    run.add_argument(
+        "--data",
+        default=f"0.0.0.0:{CHECKMATE_UDP_PORT}",
+        type=_address(CHECKMATE_UDP_PORT),
+        help="UDP HOST:PORT for copies",
+    )
     run.add_argument("--job-id", type=int, default=None)
-    run.add_argument("--shard-keys", default=None, help="comma-separated; default: from the job")
+    run.add_argument(
+        "--shard-keys", default=None, type=_shard_keys, help="comma-separated; default: from the job"
+    )
     run.add_argument("--snapshot-dir", type=Path, default=None)
     run.add_argument("--snapshot-every", type=int, default=1, help="iterations (0: never by count)")
     run.add_argument("--snapshot-seconds", type=float, default=0.0, help="seconds (0: never by time)")
@@ -62,10 +100,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--repair-timeout", type=float, default=0.1)
     run.add_argument("--threads", type=int, default=1, help="torch threads for the optimizer")
     status = sub.add_parser("status", help="print a shadow's status JSON")
-    status.add_argument("address")
+    status.add_argument("address", type=_address(DEFAULT_CONTROL_PORT))
     status.add_argument("--timeout", type=float, default=5.0)
     certified = sub.add_parser("certified", help="the iteration every given shadow has applied")
-    certified.add_argument("addresses", nargs="+")
+    certified.add_argument("addresses", nargs="+", type=_address(DEFAULT_CONTROL_PORT))
     certified.add_argument("--timeout", type=float, default=5.0)
     return parser
 
