@@ -256,6 +256,28 @@ class NetworkRunner:
                 dead[name] = f"exited with {switch.process.returncode}: {log_tail(switch.config.log_file, 5)}"
         return dead
 
+    def restart_switch(self, name: str) -> None:
+        """Start a switch whose process died again, on the same ports, and program it like at bring-up.
+
+        The new process starts empty: the pipeline is pushed again, and the push
+        reconciles the controller's registry, so routes and every registered job's
+        replication come back (``pipeline push`` goes to every switch of the network;
+        the others are wiped and reconciled too). BringUpError if it does not come back.
+        """
+        switch = self.switches[name]
+        if switch.process is not None and switch.process.poll() is None:
+            return
+        process = switch.start_process()
+        record = self.state.switches[name]
+        record.pid = process.pid
+        record.start_time = process_start_time(process.pid) or 0
+        self._save(self.state)
+        try:
+            switch.wait_ready(self.timeouts.switch_ready_s)
+        except SwitchStartError as exc:
+            raise BringUpError(str(exc)) from None
+        self._program()
+
     def stop(self) -> None:
         """Take down whatever was created: switch processes first, then Mininet's links and nodes."""
         for name, switch in self.switches.items():

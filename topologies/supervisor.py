@@ -26,6 +26,8 @@ from topologies.targets import Target
 logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 1.0
+MAX_SWITCH_RESTARTS = 5
+"""Restarts of one switch process before the supervisor gives up on it (and records the error)."""
 
 
 class Interrupted(Exception):
@@ -43,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--switch-args", action="append", default=[], help="see checkmate-net up")
     parser.add_argument("--state-dir", type=Path, default=None, help="controller registry (checkmate-ctl's)")
     parser.add_argument("--switch-ready-timeout", type=float, default=30.0)
+    parser.add_argument(
+        "--no-restart-switches",
+        dest="restart_switches",
+        action="store_false",
+        help="leave a switch process that died down (default: restart it, push the pipeline, reconcile)",
+    )
     return parser
 
 
@@ -77,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, on_signal)
 
     # Imported here: they import Mininet, which must not be needed to parse arguments.
-    from topologies.network_runner import NetworkRunner, Timeouts
+    from topologies.network_runner import BringUpError, NetworkRunner, Timeouts
 
     runner: NetworkRunner | None = None
     status = 0
@@ -97,13 +105,24 @@ def main(argv: list[str] | None = None) -> int:
         state.save()
         logger.info("network up: %s", args.network)
         reported: set[str] = set()
+        restarts: dict[str, int] = {}
         while not stop.wait(WATCH_INTERVAL_S):
             for name, why in runner.dead_switches().items():
-                if name not in reported:
-                    reported.add(name)
-                    logger.error("switch %s %s", name, why)
-                    state.error = "; ".join(filter(None, [state.error, f"switch {name} {why}"]))
-                    state.save()
+                if name in reported:
+                    continue
+                if args.restart_switches and restarts.get(name, 0) < MAX_SWITCH_RESTARTS:
+                    restarts[name] = restarts.get(name, 0) + 1
+                    logger.warning("switch %s %s; restarting it (restart %d)", name, why, restarts[name])
+                    try:
+                        runner.restart_switch(name)
+                        logger.info("switch %s restarted and programmed (pipeline, routes, jobs)", name)
+                        continue
+                    except BringUpError as exc:
+                        why = f"{why}; restarting it failed: {exc}"
+                reported.add(name)
+                logger.error("switch %s %s", name, why)
+                state.error = "; ".join(filter(None, [state.error, f"switch {name} {why}"]))
+                state.save()
     except (PreflightError, Interrupted) as exc:
         status = _failed(state, str(exc))
     except Exception as exc:  # noqa: BLE001  any failure must be recorded and the half-built network taken down
