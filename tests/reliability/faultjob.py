@@ -1,0 +1,717 @@
+"""A small real training job in the emulated network with faults injected, and the check that matters.
+
+:class:`FaultJob` is :class:`topologies.demo.DemoRun` (``make demo``: the
+``single`` topology on the embedded switch in Mininet, ``checkmate-ctl job
+add``, ``checkmate-shadow`` in the shadow hosts, ``train_lm`` workers under the
+launcher, teardown always) with:
+
+* the workers run :mod:`tests.reliability.fault_worker`: ``train_lm`` plus one
+  line per iteration with the digests of their exact state after the step, and
+  one per restore with the digests of what they restored;
+* extra switch arguments (``--drop-egress PORT:FRACTION --drop-seed N``) and
+  extra worker environment (host-transport loss, duplication, reordering);
+* :class:`Action` s that fire while rank 0 works on a given iteration: kill -9
+  a shadow (and restart it), the switch process, a ``checkmate-ctl`` in the
+  middle of a write, move a shadow to another host, ...;
+* every snapshot step kept on disk, so each one can be checked.
+
+:meth:`FaultJob.verify` then checks the invariant — *every state the shadows
+certified equals the workers' state at that iteration, bit for bit, or the
+shadows refused to certify it*: every complete snapshot step on disk, every
+state the workers restored after a failure, and the shadows' final in-memory
+state, each against the workers' digests of the same iteration; the workers
+agree with each other, also where a restart redid an iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from checkmate.checkpoint_format import (
+    PARAM_STATE,
+    STEP_DIR,
+    CheckpointError,
+    CheckpointReader,
+    complete_steps,
+)
+from checkmate.control import DEFAULT_CONTROL_PORT
+from checkmate.wire import CHECKMATE_UDP_PORT
+from tests.reliability.digests import state_digests
+from tests.topologies.harness import root_interfaces
+from topologies.demo import CTL, NET, REPO, SHADOW_BOOT, DemoConfig, DemoError, DemoResult, DemoRun, Observer
+from topologies.launcher import LaunchConfig, tail
+from topologies.runstate import RunState
+
+logger = logging.getLogger(__name__)
+
+SMALL_MODEL = ("--width", "32", "--layers", "1", "--heads", "2", "--context", "32", "--bucket-cap-mb", "0.01")
+"""A TinyLM of ~20k parameters in DDP buckets of 10 KB: several buckets, so every shadow owns some."""
+SINGLE_SPARE = Path(__file__).with_name("single_spare.json")
+"""``single`` plus a third shadow host (sh3, port 7) to move a shadow to."""
+
+
+class FaultJobError(AssertionError):
+    """The invariant did not hold (or the job could not be checked)."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """Something done to the running job while rank 0 works on iteration ``iteration``."""
+
+    iteration: int
+    kind: str
+    """``kill_shadow`` (SIGKILL ``target``, restart it with ``--resume`` after ``delay``),
+    ``kill_switch``, ``kill_ctl`` (SIGKILL a ``checkmate-ctl`` ``args`` after ``delay``
+    seconds, then run ``reconcile``), ``move_shadow`` (shard ``args[0]`` to host ``target``),
+    ``kill_shadow_writing`` (SIGKILL ``target`` while its snapshot writer is busy)."""
+    target: str = ""
+    delay: float = 0.0
+    args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class FaultJobConfig:
+    switch: str
+    """This job's switch name (unique per test: it names the switch's interfaces)."""
+    work_dir: Path
+    iterations: int = 16
+    kill_worker_at: int | None = None
+    kill_rank: int = 1
+    actions: tuple[Action, ...] = ()
+    switch_args: tuple[str, ...] = ()
+    worker_env: Mapping[str, str] = field(default_factory=dict)
+    shadows: tuple[str, ...] = ("sh1", "sh2")
+    topology: Path = REPO / "topologies" / "single.json"
+    train_timeout: float = 300.0
+    max_restarts: int = 3
+    step_seconds: float = 0.05
+    """Every rank sleeps this long after each iteration (a real model's compute time)."""
+
+
+@dataclass
+class Verdict:
+    """What :meth:`FaultJob.verify` compared."""
+
+    iterations: int = 0
+    """Iterations whose worker state was recorded (all ranks agreeing)."""
+    redone: int = 0
+    """Iterations done again after a restart (their digests matched the first time's)."""
+    snapshots_compared: int = 0
+    snapshots_partial: int = 0
+    """Step directories on disk that are not complete checkpoints (ignored by readers)."""
+    restores_compared: int = 0
+    restore_sources: list[str] = field(default_factory=list)
+    final_compared: bool = False
+    certified_max: int | None = None
+    """The highest iteration rank 0 heard every shadow certify."""
+    uncertified: int = 0
+    """Iterations the shadows never certified (refused or not yet when the job ended)."""
+    repairs: dict[str, int] = field(default_factory=dict)
+    reseeds: int = 0
+    resyncs: int = 0
+    transport: dict[str, int] = field(default_factory=dict)
+    restarts: int = 0
+    recovery_s: float | None = None
+    events: list[str] = field(default_factory=list)
+    switch_tx: dict[int, int] = field(default_factory=dict)
+    injected_drops: dict[int, int] = field(default_factory=dict)
+    """Frames the switch dropped on purpose (``--drop-egress``), per port."""
+    actions: list[dict[str, Any]] = field(default_factory=list)
+
+    def figures(self) -> str:
+        parts = [
+            f"{self.iterations} iterations, workers bit-identical"
+            + (f" (incl. {self.redone} redone after restarts)" if self.redone else ""),
+            f"{self.snapshots_compared} snapshot steps == workers",
+        ]
+        if self.snapshots_partial:
+            parts.append(f"{self.snapshots_partial} partial step dirs ignored")
+        if self.restores_compared:
+            parts.append(
+                f"{self.restores_compared} restored states == workers ({', '.join(self.restore_sources)})"
+            )
+        if self.final_compared:
+            parts.append("final shadow memory == workers")
+        if self.uncertified:
+            parts.append(f"{self.uncertified} iterations never certified (refused)")
+        if self.injected_drops:
+            parts.append(f"{sum(self.injected_drops.values())} frames dropped by the switch")
+        repaired = self.repairs.get("elements_repaired", 0)
+        if self.repairs.get("requests"):
+            parts.append(f"{self.repairs['requests']} repair requests, {repaired} elements repaired")
+        if self.reseeds or self.resyncs:
+            parts.append(f"{self.reseeds} re-seeds, {self.resyncs} resyncs")
+        retrans = self.transport.get("retransmits", 0) or self.transport.get("retransmissions", 0)
+        if retrans:
+            parts.append(f"{retrans} retransmissions")
+        for key in ("fault.send_drop", "fault.duplicate", "fault.reorder"):
+            if self.transport.get(key):
+                parts.append(f"{self.transport[key]} {key.removeprefix('fault.').replace('send_', '')}")
+        if self.restarts:
+            parts.append(f"{self.restarts} restart(s)")
+        return "; ".join(parts)
+
+
+class _ActionObserver(Observer):
+    """Fires the job's actions when rank 0 reaches their iteration (the first incarnation that does)."""
+
+    def __init__(self, job: FaultJob) -> None:
+        self.job = job
+
+    def advance(self, name: str, completed: int | None = None, info: str = "") -> None:
+        if name == "training" and completed is not None:
+            self.job.reached(completed)  # rank 0 logged iteration completed - 1
+
+    def say(self, text: str) -> None:
+        self.job.events.append(text)
+
+
+class FaultJob(DemoRun):
+    """One run of a small job with faults; :meth:`run_and_verify` is what a test calls."""
+
+    def __init__(self, config: FaultJobConfig) -> None:
+        self.fault = config
+        demo = DemoConfig(
+            iterations=config.iterations,
+            kill_iteration=config.kill_worker_at,
+            kill_rank=config.kill_rank,
+            reference=False,
+            shadows=config.shadows,
+            global_batch=12,
+            model_args=SMALL_MODEL,
+            topology=config.topology,
+            rename_switches=(("s1", config.switch),),
+            work_dir=config.work_dir,
+            results_dir=None,
+            train_timeout=config.train_timeout,
+            max_restarts=config.max_restarts,
+        )
+        self.events: list[str] = []
+        super().__init__(demo, _ActionObserver(self))
+        self.digest_dir = self.work / "digests"
+        self.gate = self.work / "hold-workers"
+        self._pending = sorted(config.actions, key=lambda a: a.iteration)
+        self._threads: list[threading.Thread] = []
+        self._errors: list[str] = []
+        self._lock = threading.Lock()
+        self.shadow_hosts: dict[str, str] = {name: name for name in config.shadows}
+        """Shadow name (in the job) -> the host it runs in."""
+        self.shadow_names: list[str] = list(config.shadows)
+        self.action_log: list[dict[str, Any]] = []
+
+    # ---- hooks into DemoRun -------------------------------------------------------------
+    def _prepare(self) -> None:
+        super()._prepare()
+        shutil.rmtree(self.digest_dir, ignore_errors=True)
+        self.gate.unlink(missing_ok=True)
+
+    def _network_up_step(self) -> None:
+        if not self.fault.switch_args:
+            super()._network_up_step()
+            return
+        argv = [*NET, "up", str(self.network_file), "--target", self.config.target]
+        argv += ["--run-dir", str(self.net_dir), "--state-dir", str(self.state_dir)]
+        argv += ["--timeout", str(self.config.network_timeout - 10)]
+        argv += [f"--switch-args={self.fault.switch}={' '.join(self.fault.switch_args)}"]
+        self._network_up = True
+        _run(argv, self.config.network_timeout, "checkmate-net up")
+
+    def _start_shadows(self) -> None:
+        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for name in self.config.shadows:
+            self.start_shadow(name, name)
+        self.wait_shadows_ready(self.config.shadows)
+
+    def _launch_config(self, *args: Any, **kwargs: Any) -> LaunchConfig:
+        base: LaunchConfig = super()._launch_config(*args, **kwargs)
+        command = list(base.command)
+        command[command.index("topologies.examples.train_lm")] = "tests.reliability.fault_worker"
+        self.digest_dir.mkdir(parents=True, exist_ok=True)
+        env = {
+            **base.env,
+            **self.fault.worker_env,
+            "FAULTJOB_DIGESTS": str(self.digest_dir / "rank{rank}.jsonl"),
+            "FAULTJOB_GATE": str(self.gate),
+            "FAULTJOB_STEP_SECONDS": str(self.fault.step_seconds),
+        }
+        return replace(base, command=tuple(command), env=env)
+
+    def _verify(self) -> dict[str, Any]:
+        self.join_actions()
+        return super()._verify()
+
+    def _shadow_control(self) -> dict[str, str]:
+        return {s: f"{self._address(self.shadow_hosts[s])}:{DEFAULT_CONTROL_PORT}" for s in self.shadow_names}
+
+    # ---- shadows ----------------------------------------------------------------------------
+    def start_shadow(self, name: str, host: str, resume: bool = False) -> None:
+        ip = self._address(host)
+        argv = [
+            self.config.python,
+            "-c",
+            SHADOW_BOOT,
+            "run",
+            "--name",
+            name,
+            "--job-id",
+            str(self.config.job_id),
+        ]
+        argv += ["--control", f"{ip}:{DEFAULT_CONTROL_PORT}", "--data", f"{ip}:{CHECKMATE_UDP_PORT}"]
+        argv += ["--snapshot-dir", str(self.snapshot_dir), "--snapshot-every", "1", "--keep", "100000"]
+        if resume:
+            argv.append("--resume")
+        with open(self.log_dir / f"{name}.log", "ab") as out:
+            self._shadows[name] = subprocess.Popen(
+                [*NET, "exec", "--run-dir", str(self.net_dir), host, "--", *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                start_new_session=True,
+            )
+
+    def wait_shadows_ready(self, names: tuple[str, ...] | list[str], timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        ready: set[str] = set()
+        while len(ready) < len(names):
+            for name in names:
+                process = self._shadows[name]
+                if process.poll() is not None:
+                    raise DemoError(
+                        f"shadow {name} exited with status {process.returncode}:\n"
+                        + tail(self.log_dir / f"{name}.log")
+                    )
+                if self._status_file(name).get("state") == "waiting_for_job":
+                    ready.add(name)
+            if time.monotonic() > deadline:
+                raise DemoError(f"shadow(s) {sorted(set(names) - ready)} not ready within {timeout:.0f} s")
+            time.sleep(0.1)
+
+    def kill_shadow(self, name: str) -> int:
+        process = self._shadows[name]
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+        return process.returncode
+
+    # ---- actions ----------------------------------------------------------------------------
+    def reached(self, completed: int) -> None:
+        """Rank 0 has logged iteration ``completed - 1``: it now works on ``completed``."""
+        with self._lock:
+            due = [a for a in self._pending if a.iteration <= completed]
+            self._pending = [a for a in self._pending if a.iteration > completed]
+        for action in due:
+            thread = threading.Thread(
+                target=self._act, args=(action,), name=f"action-{action.kind}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def join_actions(self, timeout: float = 120.0) -> None:
+        for thread in self._threads:
+            thread.join(timeout)
+            if thread.is_alive():
+                self._errors.append(f"{thread.name} did not finish within {timeout:.0f} s")
+
+    def _act(self, action: Action) -> None:
+        began = time.time()
+        record: dict[str, Any] = {"kind": action.kind, "iteration": action.iteration, "target": action.target}
+        try:
+            handler: Callable[[Action, dict[str, Any]], None] = getattr(self, f"_do_{action.kind}")
+            handler(action, record)
+        except Exception as exc:  # noqa: BLE001 - reported as the test's failure after the run
+            logger.exception("action %s failed", action)
+            self._errors.append(f"{action.kind} at iteration {action.iteration}: {type(exc).__name__}: {exc}")
+        record["seconds"] = round(time.time() - began, 2)
+        self.action_log.append(record)
+
+    def restart_shadow(self, name: str, record: dict[str, Any]) -> None:
+        """Start ``name`` again with ``--resume``, holding the workers between iterations until it
+        serves (a shadow boots in seconds; the small job would be over by then)."""
+        self.gate.touch()
+        try:
+            began = time.time()
+            self.start_shadow(name, self.shadow_hosts[name], resume=True)
+            status = self.snapshot_dir / f"status-{name}.json"
+            deadline = time.monotonic() + 90.0
+            while not (status.exists() and status.stat().st_mtime > began and self._status_file(name)):
+                if self._shadows[name].poll() is not None:
+                    raise FaultJobError(
+                        f"restarted shadow {name} exited: {tail(self.log_dir / f'{name}.log')}"
+                    )
+                if time.monotonic() > deadline:
+                    raise FaultJobError(f"restarted shadow {name} wrote no status within 90 s")
+                time.sleep(0.1)
+            record["restarted_after_s"] = round(time.time() - began, 2)
+            record["resumed_from_snapshot"] = self._status_file(name).get("restored_from_snapshot")
+        finally:
+            self.gate.unlink(missing_ok=True)
+
+    def _do_hold(self, action: Action, record: dict[str, Any]) -> None:
+        """Hold the workers between iterations for ``delay`` seconds."""
+        self.gate.touch()
+        record["held_at"] = time.time()
+        time.sleep(action.delay)
+        self.gate.unlink(missing_ok=True)
+
+    def _do_kill_shadow(self, action: Action, record: dict[str, Any]) -> None:
+        record["exit"] = self.kill_shadow(action.target)  # at once: the workers go on
+        record["killed_at"] = time.time()
+        time.sleep(action.delay)  # the workers go on without it meanwhile
+        self.restart_shadow(action.target, record)
+
+    def _do_kill_shadow_writing(self, action: Action, record: dict[str, Any]) -> None:
+        """SIGKILL the shadow as soon as a snapshot temp file of it shows up (a write in progress)."""
+        deadline = time.monotonic() + 20.0
+        hit = False
+        while time.monotonic() < deadline:
+            if any(p.name.startswith(".") and ".tmp-" in p.name for p in self.snapshot_dir.glob("step-*/*")):
+                hit = True
+                break
+            time.sleep(0.002)
+        record["during_write"] = hit
+        record["exit"] = self.kill_shadow(action.target)
+        record["partial_files"] = sorted(
+            str(p.relative_to(self.snapshot_dir)) for p in self.snapshot_dir.glob("step-*/.*.tmp-*")
+        )
+        time.sleep(action.delay)
+        self.restart_shadow(action.target, record)
+
+    def _do_kill_switch(self, action: Action, record: dict[str, Any]) -> None:
+        state = RunState.load(self.net_dir)
+        switch = state.switches[self.fault.switch]
+        os.kill(switch.pid, signal.SIGKILL)
+        record["pid"] = switch.pid
+        record["killed_at"] = time.time()
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline:
+            now = RunState.load(self.net_dir).switches[self.fault.switch]
+            if now.pid != switch.pid:
+                record["restarted_pid"] = now.pid
+                record["restarted_after_s"] = round(time.time() - record["killed_at"], 2)
+                return
+            time.sleep(0.2)
+        raise FaultJobError("the supervisor did not restart the killed switch within 60 s")
+
+    def _do_kill_ctl(self, action: Action, record: dict[str, Any]) -> None:
+        """SIGKILL ``checkmate-ctl shadow move --job J --shard K --to <target>`` ``delay`` seconds after
+        it started (somewhere in its start, reconcile, registry write or switch writes), then run
+        ``reconcile`` twice (the second must change nothing) and move the shard back where it was."""
+        shard, to = action.args[0], action.target
+        shown = json.loads(self._ctl("job", "show", str(self.config.job_id), "--json").stdout)
+        home = shown["job"]["shard_to_shadow"][shard]
+        argv = [*CTL, "--network", str(self.network_file), "--state-dir", str(self.state_dir)]
+        argv += ["shadow", "move", "--job", str(self.config.job_id), "--shard", shard, "--to", to]
+        process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        time.sleep(action.delay)
+        process.send_signal(signal.SIGKILL)
+        output, _ = process.communicate(timeout=30)
+        record["exit"] = process.returncode
+        record["killed"] = process.returncode == -signal.SIGKILL
+        record["killed_at"] = time.time()
+        record["ctl_output"] = output.decode(errors="replace").strip()[-200:]
+        first = self._ctl("reconcile", timeout=120).stdout.strip()
+        second = self._ctl("reconcile", timeout=120).stdout.strip()
+        record["reconcile"] = [first[-200:], second[-200:]]
+        if not second.startswith("in sync"):
+            raise FaultJobError(
+                f"a second reconcile after the killed controller still changed entries: {second}"
+            )
+        shown = json.loads(self._ctl("job", "show", str(self.config.job_id), "--json").stdout)
+        record["owner_after_kill"] = owner = shown["job"]["shard_to_shadow"][shard]
+        if owner not in (home, to):
+            raise FaultJobError(
+                f"after the killed move shard {shard} belongs to {owner}, neither {home} nor {to}"
+            )
+        if owner != home:
+            self._ctl("shadow", "move", "--job", str(self.config.job_id), "--shard", shard, "--to", home)
+        shown = json.loads(self._ctl("job", "show", str(self.config.job_id), "--json").stdout)
+        if shown["job"]["shard_to_shadow"][shard] != home:
+            raise FaultJobError(f"shard {shard} could not be moved back to {home}: {shown['job']}")
+        record["restored_at"] = time.time()
+
+    def _do_move_shadow(self, action: Action, record: dict[str, Any]) -> None:
+        """Shard ``args[0]`` to a new shadow in host ``target``, named after it: the new shadow starts,
+        ``checkmate-ctl shadow move`` re-addresses the switch's copies, the job file names the new
+        shadow. The workers hold between iterations meanwhile; they connect to the new shadow at
+        their next start (the old one keeps certifying for the running workers, by repair)."""
+        self.gate.touch()
+        record["held_at"] = time.time()
+        try:
+            shard, new = action.args[0], action.target
+            self.start_shadow(new, new, resume=False)
+            shown = json.loads(self._ctl("job", "show", str(self.config.job_id), "--json").stdout)
+            record["from"] = shown["job"]["shard_to_shadow"].get(shard)
+            self.wait_shadows_ready([new])
+            moved = self._ctl(
+                "shadow", "move", "--job", str(self.config.job_id), "--shard", shard, "--to", new
+            )
+            record["ctl"] = moved.stdout.strip()[-300:]
+            shown = json.loads(self._ctl("job", "show", str(self.config.job_id), "--json").stdout)
+            self.job = shown["job"]
+            self.shadow_hosts[new] = new
+            self.shadow_names = sorted(set(self._job_shadows()))
+            self._write_job_file(self.work / "job-file.json", with_shadows=True)
+            record["shadows_now"] = self.shadow_names
+            record["moved_at"] = time.time()
+        finally:
+            self.gate.unlink(missing_ok=True)
+
+    def _job_shadows(self) -> list[str]:
+        assert self.job is not None
+        return [str(v) for v in self.job["shard_to_shadow"].values()]
+
+    # ---- the check ---------------------------------------------------------------------------
+    def run_and_verify(self) -> tuple[DemoResult, Verdict]:
+        before = root_interfaces()
+        try:
+            result = self.run()
+        finally:
+            self.join_actions(10.0)
+            left = {i for i in root_interfaces() - before if i.startswith(f"{self.fault.switch}-")}
+        if left:
+            raise FaultJobError(f"interfaces left behind: {sorted(left)}")
+        if self._errors:
+            raise FaultJobError("; ".join(self._errors))
+        return result, self.verify(result)
+
+    def worker_digests(self) -> tuple[dict[int, set[tuple[str, str]]], list[dict[str, Any]], dict[str, int]]:
+        per_iteration: dict[int, set[tuple[str, str]]] = {}
+        counts: dict[int, int] = {}
+        restored: list[dict[str, Any]] = []
+        transport: dict[str, int] = {}
+        for path in sorted(self.digest_dir.glob("rank*.jsonl")):
+            for line in path.read_text().splitlines():
+                record = json.loads(line)
+                if record.get("event") == "restored":
+                    restored.append(record)
+                elif record.get("event") == "done":
+                    for key, value in (record.get("stats") or {}).get("transport", {}).items():
+                        if isinstance(value, int):
+                            transport[key] = transport.get(key, 0) + value
+                elif "iteration" in record:
+                    iteration = int(record["iteration"])
+                    per_iteration.setdefault(iteration, set()).add((record["params"], record["optimizer"]))
+                    counts[iteration] = counts.get(iteration, 0) + 1
+        self._counts = counts
+        return per_iteration, restored, transport
+
+    def snapshot_digests(self) -> tuple[dict[int, tuple[str, str]], int]:
+        digests: dict[int, tuple[str, str]] = {}
+        for step in complete_steps(self.snapshot_dir):
+            try:
+                reader = CheckpointReader(self.snapshot_dir, step)
+                parameters = {name: reader.parameter(name) for name in reader.parameters}
+                states: dict[str, dict[str, Any]] = {
+                    name: {s: reader.parameter(name, s) for s in reader.states_of(name) if s != PARAM_STATE}
+                    for name in reader.parameters
+                }
+            except (CheckpointError, OSError, KeyError) as exc:
+                raise FaultJobError(
+                    f"snapshot step {step} is listed complete but cannot be read: {exc}"
+                ) from None
+            step_count = (reader.global_state.get("extra") or {}).get("optimizer_step")
+            for state in states.values():
+                if "step" not in state and step_count is not None:
+                    state["step"] = float(step_count)
+            digests[step] = state_digests(parameters, states)
+        steps = set(complete_steps(self.snapshot_dir))
+        partial = sum(
+            1
+            for entry in self.snapshot_dir.iterdir()
+            if (match := STEP_DIR.match(entry.name)) and int(match.group(1)) not in steps
+        )
+        return digests, partial
+
+    def switch_counts(self) -> dict[str, dict[int, int]]:
+        """From the switch's last ``final counts`` log line: ``tx`` per port and ``FAULT_INJECTION``
+        drops per port (summed over the switch's lives when it was restarted: a killed one logs none)."""
+        counts: dict[str, dict[int, int]] = {"tx": {}, "injected_drops": {}}
+        log = self.net_dir / "logs" / f"{self.fault.switch}.log"
+        try:
+            lines = [line for line in log.read_text(errors="replace").splitlines() if "final counts:" in line]
+        except OSError:
+            return counts
+        for line in lines:
+            for port, tx in re.findall(r"(\d+)@\S+ rx=\d+/\d+B tx=(\d+)/", line):
+                counts["tx"][int(port)] = counts["tx"].get(int(port), 0) + int(tx)
+            for port, n in re.findall(r"FAULT_INJECTION@(\d+)=(\d+)", line):
+                counts["injected_drops"][int(port)] = counts["injected_drops"].get(int(port), 0) + int(n)
+        return counts
+
+    def certified_seen(self, result: DemoResult) -> set[int]:
+        """Iterations rank 0 heard every shadow certify (a value of its per-iteration ``certified``)."""
+        return {int(c) for per in result.main.certified.values() for c in per.values() if c is not None}
+
+    def recovery_after(self, result: DemoResult, when: float, iteration: int) -> float | None:
+        """Seconds from ``when`` until rank 0 logged a certificate for ``iteration`` or later."""
+        for incarnation, per in result.main.certified.items():
+            times = result.main.times.get(incarnation, {})
+            for it, certified in per.items():
+                t = times.get(it)
+                if t is not None and t > when and certified is not None and certified >= iteration:
+                    return t - when
+        return None
+
+    def verify(self, result: DemoResult) -> Verdict:
+        config = self.config
+        verdict = Verdict(events=list(self.events))
+        workers, restored, transport = self.worker_digests()
+        verdict.transport = transport
+        missing = [i for i in range(config.iterations) if i not in workers]
+        if missing:
+            raise FaultJobError(f"no worker digests for iterations {missing}")
+        disagree = {i: d for i, d in workers.items() if len(d) != 1}
+        if disagree:
+            raise FaultJobError(
+                f"workers disagree (or a redone iteration differs) at iterations {sorted(disagree)}"
+            )
+        truth = {i: next(iter(d)) for i, d in workers.items()}
+        verdict.iterations = len(truth)
+        world = len(config.workers)
+        verdict.redone = sum(1 for i, n in self._counts.items() if n > world)
+
+        for record in restored:
+            iteration = int(record["iteration"])
+            if (record["params"], record["optimizer"]) != truth.get(iteration):
+                raise FaultJobError(
+                    f"the workers restored a state of iteration {iteration} (from {record['source']}) "
+                    "that is not the workers' state at that iteration"
+                )
+            verdict.restores_compared += 1
+            verdict.restore_sources.append(str(record["source"]))
+
+        snapshots, partial = self.snapshot_digests()
+        wrong = [s for s, d in snapshots.items() if truth.get(s) != d]
+        if wrong:
+            raise FaultJobError(f"snapshot steps {wrong} differ from the workers' state at those iterations")
+        verdict.snapshots_compared = len(snapshots)
+        verdict.snapshots_partial = partial
+
+        summary = result.summary()
+        verdict.restarts = int(summary["restarts"])
+        verdict.recovery_s = summary.get("recovery_seconds")
+        if result.shadow_digest is not None:
+            if not result.shadow_digest.get("ok"):
+                raise FaultJobError(f"the shadows did not serve the final state: {result.shadow_digest}")
+            if summary["shadow_equals_workers"] is not True:
+                raise FaultJobError(
+                    f"the shadows' final state differs from the workers': {result.shadow_digest}"
+                )
+            verdict.final_compared = True
+        certified = [c for per in result.main.certified.values() for c in per.values() if c is not None]
+        verdict.certified_max = max(certified) if certified else None
+        seen = self.certified_seen(result) | set(snapshots)
+        seen |= {int(r["iteration"]) for r in restored}
+        if verdict.final_compared:
+            seen.add(config.iterations - 1)
+        verdict.uncertified = config.iterations - len(seen & set(range(config.iterations)))
+        counts = self.switch_counts()
+        verdict.switch_tx = counts["tx"]
+        verdict.injected_drops = counts["injected_drops"]
+        recoveries = []
+        for action in self.action_log:
+            when = action.get("killed_at")
+            if isinstance(when, float):
+                seconds = self.recovery_after(result, when, int(action["iteration"]))
+                action["recovery_s"] = seconds
+                if seconds is not None:
+                    recoveries.append(seconds)
+        if recoveries:
+            verdict.recovery_s = max([*recoveries, *([verdict.recovery_s] if verdict.recovery_s else [])])
+        verdict.actions = list(self.action_log)
+        for status in result.shadow_status.values():
+            for key, value in (status.get("repairs") or {}).items():
+                if isinstance(value, int):
+                    verdict.repairs[key] = verdict.repairs.get(key, 0) + value
+            reseeds = status.get("reseeds")
+            verdict.reseeds += int(reseeds) if isinstance(reseeds, int) else 0
+            resyncs = status.get("resync_requests")
+            verdict.resyncs += int(resyncs) if isinstance(resyncs, int) else 0
+        return verdict
+
+
+def _run(argv: list[str], timeout: float, what: str) -> subprocess.CompletedProcess[str]:
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False)
+    except subprocess.TimeoutExpired:
+        raise DemoError(f"{what}: did not finish within {timeout:.0f} s") from None
+    if result.returncode != 0:
+        raise DemoError(f"{what} failed ({result.returncode}):\n{(result.stderr or result.stdout).strip()}")
+    return result
+
+
+def seeded_iterations(seed: int, count: int, low: int, high: int) -> list[int]:
+    """``count`` iterations in [low, high], drawn with ``seed`` (the suite's 'random iterations')."""
+    rng = random.Random(seed)
+    return [rng.randint(low, high) for _ in range(count)]
+
+
+TRANSPORT_FAULTS = {"fault.send_drop": "dropped", "fault.duplicate": "duplicated", "fault.reorder": "reordered"}
+
+
+def summarize(verdicts: list[Verdict], shadow_ports: tuple[int, ...] = ()) -> str:
+    """What a row's ``held`` says about its trials, with the figures."""
+    iterations = sum(v.iterations for v in verdicts)
+    snapshots = sum(v.snapshots_compared for v in verdicts)
+    restores = sum(v.restores_compared for v in verdicts)
+    finals = sum(1 for v in verdicts if v.final_compared)
+    partial = sum(v.snapshots_partial for v in verdicts)
+    refused = sum(v.uncertified for v in verdicts)
+    parts = [
+        f"{iterations} iterations over {len(verdicts)} runs, workers bit-identical at each",
+        f"{snapshots} certified snapshot steps == workers' state at that iteration",
+    ]
+    if restores:
+        parts.append(f"{restores} restored states (all ranks) == workers'")
+    parts.append(f"final shadow memory == workers' in {finals}/{len(verdicts)} runs")
+    if partial:
+        parts.append(f"{partial} incomplete step dirs ignored")
+    if refused:
+        parts.append(f"{refused} iterations never certified (refused)")
+    redone = sum(v.redone for v in verdicts)
+    if redone:
+        parts.append(f"{redone} iterations redone after restarts, bit-identical")
+    drops = sum(sum(v.injected_drops.values()) for v in verdicts)
+    if drops:
+        if shadow_ports:
+            copies = sum(v.switch_tx.get(p, 0) for v in verdicts for p in shadow_ports)
+            parts.append(f"switch dropped {drops} of {copies + drops} copies")
+        else:
+            parts.append(f"switch dropped {drops} frames")
+    requests = sum(v.repairs.get("requests", 0) for v in verdicts)
+    elements = sum(v.repairs.get("elements_repaired", 0) for v in verdicts)
+    if requests:
+        parts.append(f"{requests} repair requests, {elements} elements repaired")
+    transport: dict[str, int] = {}
+    for v in verdicts:
+        for key, value in v.transport.items():
+            transport[key] = transport.get(key, 0) + value
+    retransmits = sum(value for key, value in transport.items() if "retrans" in key)
+    if retransmits:
+        parts.append(f"{retransmits} retransmissions")
+    for key, what in TRANSPORT_FAULTS.items():
+        if transport.get(key):
+            parts.append(f"{transport[key]} datagrams {what} by the host transport")
+    restarts = sum(v.restarts for v in verdicts)
+    if restarts:
+        parts.append(f"{restarts} job restarts")
+    return "; ".join(parts)
+
+
+def worst_recovery(verdicts: list[Verdict]) -> float | None:
+    values = [v.recovery_s for v in verdicts if v.recovery_s is not None]
+    return max(values) if values else None
