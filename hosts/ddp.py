@@ -89,11 +89,27 @@ class CheckmateConfig:
     keep_iterations: int = 4
     shadow_connect_timeout: float = 2.0
     faults: FaultConfig = field(default_factory=FaultConfig)
+    replication: str = "switch"
+    """Who copies the reduced chunks to the shadows (``CHECKMATE_REPLICATION``): ``"switch"``
+    (the tagged packets, REPLICATE set) or ``"host"`` (no switch: the chunk's owner sends an
+    untagged copy to the shadow itself, :meth:`shadow_data_address`; for comparison)."""
 
     def shard_key_for_bucket(self, bucket_id: int) -> int:
         if self.job is not None:
             return self.job.shard_key_for_bucket(bucket_id)
         return bucket_id % max(1, len(self.shadow_control))
+
+    def shadow_data_address(self, shard_key: int) -> Addr | None:
+        """Where the shadow owning ``shard_key`` receives copies: its host, the job's shadow port."""
+        if self.job is not None:
+            name = self.job.shard_to_shadow.get(shard_key)
+            port = self.job.shadow_port
+        else:
+            names = list(self.shadow_control)
+            name = names[shard_key] if 0 <= shard_key < len(names) else None
+            port = CHECKMATE_UDP_PORT
+        control = self.shadow_control.get(name) if name is not None else None
+        return (control[0], port) if control is not None else None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> CheckmateConfig:
@@ -169,7 +185,17 @@ class CheckmateConfig:
             timeout=float(env.get("CHECKMATE_TIMEOUT", "300")),
             peer_timeout=float(env.get("CHECKMATE_PEER_TIMEOUT", "30")),
             faults=faults,
+            replication=_replication_mode(env.get("CHECKMATE_REPLICATION", "switch")),
         )
+
+
+REPLICATION_MODES = ("switch", "host")
+
+
+def _replication_mode(mode: str) -> str:
+    if mode not in REPLICATION_MODES:
+        raise CheckmateConfigError(f"CHECKMATE_REPLICATION={mode!r}: expected one of {REPLICATION_MODES}")
+    return mode
 
 
 # ---- gradient clipping ------------------------------------------------------------------
@@ -253,6 +279,9 @@ class CheckmateAgent:
                 shard_key_for_bucket=config.shard_key_for_bucket,
                 timeout=config.timeout,
                 keep_iterations=config.keep_iterations,
+                host_replica=(
+                    config.shadow_data_address if _replication_mode(config.replication) == "host" else None
+                ),
             ),
         )
         self.iteration = 0

@@ -106,6 +106,11 @@ class RingConfig:
     is 1 iteration under DDP)."""
     max_stash_bytes: int = 1 << 30
     """Bound on data buffered for buckets this rank has not started yet."""
+    host_replica: Callable[[int], Addr | None] | None = None
+    """Host-side replication (no switch): shard key -> the shadow's data address. When set, the
+    owner sends its tagged chunks to the peer *without* REPLICATE (the switch copies nothing) and
+    once more itself, straight to that shadow, as the switch's copy would look (REPLICATE
+    cleared); None: the switch replicates (``CheckmateConfig.replication``)."""
 
     def __post_init__(self) -> None:
         if len(self.workers) < 2:
@@ -385,7 +390,16 @@ class RingAllReduce:
         size = record.dtype.itemsize
         lo = grid.offsets[slot] * size
         payload = record.view[lo : lo + grid.counts[slot] * size]
-        self.transport.send(self.next_addr, self._header(record, slot, MessageType.DATA, flags), payload)
+        host_mode = bool(flags & Flags.REPLICATE) and self.config.host_replica is not None
+        wire_flags = flags & ~Flags.REPLICATE if host_mode else flags  # host mode: never tagged
+        header = self._header(record, slot, MessageType.DATA, wire_flags)
+        self.transport.send(self.next_addr, header, payload)
+        if host_mode:
+            assert self.config.host_replica is not None
+            replica = self.config.host_replica(record.shard_key)
+            if replica is not None:  # sent once, like the switch's copy (the shadow repairs losses)
+                self.transport.send_unreliable(replica, header, payload)
+                self._count("host_copies")
         if flags & Flags.REPLICATE:
             tag = TagRecord(
                 record.iteration, record.bucket_id, grid.offsets[slot], grid.counts[slot], record.shard_key
