@@ -71,6 +71,15 @@ p4:
 	  -o $(BUILD)/v1model p4src/v1model/checkmate.p4
 	@echo "make p4: wrote $(BUILD)/v1model/checkmate.json and checkmate.p4info.txt"
 
+BENCH_ARGS ?=
+
+bench: setup
+	@if [ "$$(id -u)" != 0 ]; then \
+	  echo "make bench: needs root (the demo's emulated network: namespaces, veth pairs, a software switch): sudo make bench"; \
+	  exit 1; \
+	fi
+	$(PY) -m topologies.bench $(BENCH_ARGS)
+
 bench-switch: setup
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench-switch: needs root (network namespaces)"; exit 1; fi
 	$(PY) -m embedded_switch.benchmark $(BENCH_ARGS)

@@ -101,7 +101,115 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-checkmate", action="store_true", help="plain DDP over gloo (for comparison; no shadows)"
     )
+    add_checkpoint_options(parser)
     return parser
+
+
+# ---- baseline checkpointing (what users do today; topologies/bench.py compares it) ------------
+CHECKPOINT_KINDS = ("none", "torch-save", "dcp-async")
+
+
+def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("baseline checkpointing (for benchmarks; independent of Checkmate)")
+    group.add_argument(
+        "--checkpoint",
+        choices=CHECKPOINT_KINDS,
+        default="none",
+        help="torch-save: rank 0 torch.save()s model + optimizer state dicts to a temporary file, "
+        "fsyncs and renames it; dcp-async: every rank calls torch.distributed.checkpoint.async_save "
+        "on a separate gloo group, after waiting for the previous save",
+    )
+    group.add_argument(
+        "--checkpoint-every", type=int, default=1, metavar="K", help="after every K-th iteration"
+    )
+    group.add_argument("--checkpoint-dir", type=Path, default=None, help="where checkpoints are written")
+
+
+class BaselineCheckpointer:
+    """Checkpoints the training state after every K-th optimizer step, the usual ways.
+
+    Logs ``{"event": "checkpoint", "iteration", "started", "durable"}`` per finished
+    checkpoint (``durable``: when it was complete on disk; for dcp-async when its
+    future completed, reported at the next step or at :meth:`close`).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        every: int,
+        directory: Path | None,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        rank: int,
+        log: JsonLog,
+    ) -> None:
+        if kind != "none" and directory is None:
+            raise SystemExit(f"--checkpoint {kind} needs --checkpoint-dir")
+        if every < 1:
+            raise SystemExit(f"--checkpoint-every must be >= 1, got {every}")
+        self.kind, self.every, self.rank, self.log = kind, every, rank, log
+        self.module, self.optimizer = module, optimizer
+        self.directory = directory or Path(".")
+        self._future: Any = None
+        self._done: list[tuple[int, float, float]] = []
+        self._saves = 0
+        self._group: Any = None
+        if kind != "none":
+            self.directory.mkdir(parents=True, exist_ok=True)
+        if kind == "dcp-async":
+            self._group = dist.new_group(backend="gloo")  # async saves stay off the training group
+
+    def after_step(self, iteration: int) -> None:
+        self._report()
+        if self.kind == "none" or (iteration + 1) % self.every:
+            return
+        started = time.time()
+        if self.kind == "torch-save":
+            if self.rank == 0:
+                target = self.directory / "checkpoint.pt"
+                temporary = target.with_suffix(".pt.tmp")
+                state = {
+                    "iteration": iteration,
+                    "model": self.module.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                }
+                with open(temporary, "wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(temporary, target)
+                self._done.append((iteration, started, time.time()))
+        else:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            if self._future is not None:
+                self._future.result()  # the documented pattern: one save in flight at a time
+            model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
+            slot = self.directory / f"dcp-{self._saves % 2}"  # the other slot holds the last complete one
+            self._saves += 1
+            response = dcp.async_save(
+                {"model": model_state, "optimizer": optimizer_state, "iteration": iteration},
+                checkpoint_id=str(slot),
+                process_group=self._group,
+            )
+            future: Any = getattr(response, "upload_completion", response)
+            done = self._done
+            future.add_done_callback(lambda _f: done.append((iteration, started, time.time())))
+            self._future = future
+
+    def _report(self) -> None:
+        while self._done:
+            iteration, started, durable = self._done.pop(0)
+            self.log.write(
+                event="checkpoint", kind=self.kind, iteration=iteration, started=started, durable=durable
+            )
+
+    def close(self) -> None:
+        if self._future is not None:
+            self._future.result()
+            self._future = None
+        self._report()
 
 
 def config_from(args: argparse.Namespace) -> TrainConfig:
@@ -207,6 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if restored is not None:
                 start_agent_at(agent, start, restored.optimizer_step)
 
+        checkpointer = BaselineCheckpointer(
+            args.checkpoint, args.checkpoint_every, args.checkpoint_dir, module, optimizer, rank, log
+        )
         logger.info("training from iteration %d", start)
         for iteration in range(start, config.iterations):
             for group in optimizer.param_groups:
@@ -219,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             loss.backward()
             hosts.clip_grad_norm_(model.parameters(), config.max_norm)
             optimizer.step()
+            checkpointer.after_step(iteration)
             certified = None
             if agent is not None and agent.channel is not None:
                 certified = agent.channel.certified_through()
@@ -230,6 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 certified=certified,
             )
 
+        checkpointer.close()
         if agent is not None:
             agent.close()
         else:
