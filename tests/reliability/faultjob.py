@@ -130,6 +130,8 @@ class Verdict:
     injected_drops: dict[int, int] = field(default_factory=dict)
     """Frames the switch dropped on purpose (``--drop-egress``), per port."""
     actions: list[dict[str, Any]] = field(default_factory=list)
+    final_refused: bool = False
+    """The shadows refused the final iteration (not re-seeded before the workers closed)."""
 
     def figures(self) -> str:
         parts = [
@@ -605,6 +607,12 @@ class FaultJob(DemoRun):
         verdict.restarts = int(summary["restarts"])
         verdict.recovery_s = summary.get("recovery_seconds")
         if result.shadow_digest is not None:
+            error = str(result.shadow_digest.get("error", ""))
+            if not result.shadow_digest.get("ok") and "refused" in error:
+                # A shadow restarted near the end had not been re-seeded when the workers closed:
+                # it refuses the final iteration instead of serving a wrong state.
+                verdict.final_refused = True
+                return self._finish(verdict, result, restored, snapshots)
             if not result.shadow_digest.get("ok"):
                 raise FaultJobError(f"the shadows did not serve the final state: {result.shadow_digest}")
             if summary["shadow_equals_workers"] is not True:
@@ -612,6 +620,16 @@ class FaultJob(DemoRun):
                     f"the shadows' final state differs from the workers': {result.shadow_digest}"
                 )
             verdict.final_compared = True
+        return self._finish(verdict, result, restored, snapshots)
+
+    def _finish(
+        self,
+        verdict: Verdict,
+        result: DemoResult,
+        restored: list[dict[str, Any]],
+        snapshots: dict[int, tuple[str, str]],
+    ) -> Verdict:
+        config = self.config
         certified = [c for per in result.main.certified.values() for c in per.values() if c is not None]
         verdict.certified_max = max(certified) if certified else None
         seen = self.certified_seen(result) | set(snapshots)
@@ -660,7 +678,11 @@ def seeded_iterations(seed: int, count: int, low: int, high: int) -> list[int]:
     return [rng.randint(low, high) for _ in range(count)]
 
 
-TRANSPORT_FAULTS = {"fault.send_drop": "dropped", "fault.duplicate": "duplicated", "fault.reorder": "reordered"}
+TRANSPORT_FAULTS = {
+    "fault.send_drop": "dropped",
+    "fault.duplicate": "duplicated",
+    "fault.reorder": "reordered",
+}
 
 
 def summarize(verdicts: list[Verdict], shadow_ports: tuple[int, ...] = ()) -> str:
@@ -678,6 +700,9 @@ def summarize(verdicts: list[Verdict], shadow_ports: tuple[int, ...] = ()) -> st
     if restores:
         parts.append(f"{restores} restored states (all ranks) == workers'")
     parts.append(f"final shadow memory == workers' in {finals}/{len(verdicts)} runs")
+    refusals = sum(1 for v in verdicts if v.final_refused)
+    if refusals:
+        parts.append(f"final iteration refused (shadow not yet re-seeded) in {refusals} runs")
     if partial:
         parts.append(f"{partial} incomplete step dirs ignored")
     if refused:
