@@ -33,6 +33,7 @@ is committed with ``skip_step=True`` when the next one starts.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -93,6 +94,19 @@ class CheckmateConfig:
     """Who copies the reduced chunks to the shadows (``CHECKMATE_REPLICATION``): ``"switch"``
     (the tagged packets, REPLICATE set) or ``"host"`` (no switch: the chunk's owner sends an
     untagged copy to the shadow itself, :meth:`shadow_data_address`; for comparison)."""
+    start_iteration: int = 0
+    """The job's number for the first all-reduce of this process: 0 for a new job, ``t`` for a
+    job resumed from a checkpoint of iteration ``t - 1`` (the shadows' snapshots and certificates
+    are named by the job's iteration numbers, so a restart must keep them)."""
+    optimizer_step: int = 0
+    """Optimizer steps taken before ``start_iteration`` (the restored state's step count)."""
+
+    def __post_init__(self) -> None:
+        if self.start_iteration < 0 or self.optimizer_step < 0:
+            raise CheckmateConfigError(
+                f"start_iteration ({self.start_iteration}) and optimizer_step ({self.optimizer_step}) "
+                "must not be negative"
+            )
 
     def shard_key_for_bucket(self, bucket_id: int) -> int:
         if self.job is not None:
@@ -122,8 +136,9 @@ class CheckmateConfig:
         ``CHECKMATE_BIND`` (``ip[:port]``; default ``127.0.0.(10+RANK)`` when
         ``MASTER_ADDR`` is a loopback address), ``CHECKMATE_SHADOWS``
         (``name=ip:port,...`` or ``ip:port,...``), ``CHECKMATE_TIMEOUT``,
-        ``CHECKMATE_PEER_TIMEOUT``, and for tests ``CHECKMATE_LOSS`` (a send
-        drop fraction) with ``CHECKMATE_FAULT_SEED``.
+        ``CHECKMATE_PEER_TIMEOUT``, ``CHECKMATE_START_ITERATION`` and
+        ``CHECKMATE_OPTIMIZER_STEP`` (a resumed job; see :func:`enable_checkmate`),
+        and for tests ``CHECKMATE_LOSS`` (a send drop fraction) with ``CHECKMATE_FAULT_SEED``.
         """
         env = os.environ if environ is None else environ
         try:
@@ -186,6 +201,8 @@ class CheckmateConfig:
             peer_timeout=float(env.get("CHECKMATE_PEER_TIMEOUT", "30")),
             faults=faults,
             replication=_replication_mode(env.get("CHECKMATE_REPLICATION", "switch")),
+            start_iteration=_int_env(env, "CHECKMATE_START_ITERATION", 0),
+            optimizer_step=_int_env(env, "CHECKMATE_OPTIMIZER_STEP", 0),
         )
 
 
@@ -196,6 +213,16 @@ def _replication_mode(mode: str) -> str:
     if mode not in REPLICATION_MODES:
         raise CheckmateConfigError(f"CHECKMATE_REPLICATION={mode!r}: expected one of {REPLICATION_MODES}")
     return mode
+
+
+def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
+    text = env.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckmateConfigError(f"{name}={text!r} is not an integer") from None
 
 
 # ---- gradient clipping ------------------------------------------------------------------
@@ -284,14 +311,14 @@ class CheckmateAgent:
                 ),
             ),
         )
-        self.iteration = 0
+        self.iteration = config.start_iteration
         """The next all-reduce iteration."""
         self._bucket_layout: dict[int, BucketSpec] = {}
         self._layout_sent: list[BucketSpec] | None = None
         self._uncommitted: int | None = None
         self._clip_coefficient: float | None = None
         self._last_hyper: list[dict[str, Any]] = []
-        self.optimizer_steps = 0
+        self.optimizer_steps = config.optimizer_step
         self.commits: list[Commit] = []
         """Commit records made on this rank (rank 0), for inspection."""
         self.channel: ControlChannel | None = None
@@ -303,7 +330,7 @@ class CheckmateAgent:
             )
             up = self.channel.wait_connected(config.shadow_connect_timeout)
             logger.info("%d of %d shadows reachable at start", up, len(config.shadow_control))
-            self.channel.post_state(lambda: [self._job_start(0)])
+            self.channel.post_state(lambda: [self._job_start(config.start_iteration)])
         if dist.is_initialized():
             dist.barrier()  # every rank's transport is up before the first gradient moves
         ddp_model.register_comm_hook(self, _hook)
@@ -533,6 +560,21 @@ def enable_checkmate(
     ddp_model: torch.nn.parallel.DistributedDataParallel,
     optimizer: torch.optim.Optimizer,
     config: CheckmateConfig | None = None,
+    *,
+    start_iteration: int | None = None,
+    optimizer_step: int | None = None,
 ) -> CheckmateAgent:
-    """The one line to add to a DDP script (after ``init_process_group`` and the optimizer)."""
-    return CheckmateAgent(ddp_model, optimizer, config or CheckmateConfig.from_env())
+    """The one line to add to a DDP script (after ``init_process_group`` and the optimizer).
+
+    A job resumed from a checkpoint passes the iteration it continues with (and the
+    optimizer steps already taken), so iterations keep the job's numbers; this overrides
+    ``CHECKMATE_START_ITERATION`` / ``CHECKMATE_OPTIMIZER_STEP``.
+    """
+    config = config or CheckmateConfig.from_env()
+    if start_iteration is not None or optimizer_step is not None:
+        config = dataclasses.replace(
+            config,
+            start_iteration=config.start_iteration if start_iteration is None else start_iteration,
+            optimizer_step=config.optimizer_step if optimizer_step is None else optimizer_step,
+        )
+    return CheckmateAgent(ddp_model, optimizer, config)

@@ -50,7 +50,6 @@ from topologies.recovery import (
     optimizer_states_by_name,
     parameters_digest,
     restore_latest,
-    start_agent_at,
 )
 
 logger = logging.getLogger("train_lm")
@@ -100,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--restore-timeout", type=float, default=20.0, help="seconds to fetch the state")
     parser.add_argument(
         "--no-checkmate", action="store_true", help="plain DDP over gloo (for comparison; no shadows)"
+    )
+    parser.add_argument(
+        "--log-digests",
+        action="store_true",
+        help="rank 0 adds params_sha256 to every iteration's record (to compare states across runs)",
     )
     add_checkpoint_options(parser)
     return parser
@@ -302,6 +306,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if restored is not None:
             load_state(module, optimizer, restored)
+            log.write(
+                event="restored",
+                iteration=restored.iteration,
+                params_sha256=parameters_digest(module.named_parameters()),
+                optimizer_sha256=optimizer_digest(optimizer_states_by_name(module, optimizer)),
+            )
         model = DistributedDataParallel(module, bucket_cap_mb=config.bucket_cap_mb)
         logger.info("model ready (restored: %s)", restored.iteration if restored is not None else None)
         settle_buckets(
@@ -311,9 +321,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.info("buckets settled")
         agent = None
         if not args.no_checkmate:
-            agent = hosts.enable_checkmate(model, optimizer)  # Checkmate: the one added line
-            if restored is not None:
-                start_agent_at(agent, start, restored.optimizer_step)
+            # Checkmate: the one added line (a resumed job keeps the job's iteration numbers)
+            agent = hosts.enable_checkmate(
+                model,
+                optimizer,
+                start_iteration=start,
+                optimizer_step=restored.optimizer_step if restored is not None else 0,
+            )
 
         checkpointer = BaselineCheckpointer(
             args.checkpoint, args.checkpoint_every, args.checkpoint_dir, module, optimizer, rank, log
@@ -334,12 +348,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             certified = None
             if agent is not None and agent.channel is not None:
                 certified = agent.channel.certified_through()
+            digest: dict[str, str] = {}
+            if args.log_digests and rank == 0:
+                digest["params_sha256"] = parameters_digest(module.named_parameters())
             log.write(
                 iteration=iteration,
                 loss=round(float(loss.item()), 6),
                 lr=optimizer.param_groups[0]["lr"],
                 time=time.time(),
                 certified=certified,
+                **digest,
             )
 
         checkpointer.close()
