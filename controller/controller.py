@@ -21,7 +21,7 @@ after entries vanished. ``checkmate-ctl`` reconciles on start.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -272,21 +272,11 @@ class Controller:
 
     def move_shard(self, job_id: int, shard_key: int, shadow: str) -> JobRecord:
         """Re-point one shard of a job to another shadow (workers are untouched)."""
-        with self.registry.lock():
-            before = self.job(job_id)
-            try:
-                spec = before.spec.with_shard_moved(shard_key, shadow)
-            except JobSpecError as exc:
-                raise JobError(str(exc)) from None
-            after = allocate(
-                self.network, spec, self._taken(job_id), previous=before, max_groups=self.max_groups
-            )
-            changes = job_updates(self.network, before, after)
-            self.connect()
-            codecs = self._all_codecs()
-            what = f"shadow move job {job_id} shard {shard_key} -> {shadow}"
-            apply_change(batches_for(changes, self._connections, codecs), what)
-            self.registry.put_job(after)
+        after = self._change_job(
+            job_id,
+            lambda spec: spec.with_shard_moved(shard_key, shadow),
+            f"shadow move job {job_id} shard {shard_key} -> {shadow}",
+        )
         logger.info("job %d: shard %d now goes to %s", job_id, shard_key, shadow)
         return after
 
@@ -296,10 +286,18 @@ class Controller:
         Replication entries of ring links that remain are kept; those of links that
         vanished are deleted and new links get theirs. Shadows and shard map are unchanged.
         """
+        after = self._change_job(
+            job_id, lambda spec: spec.with_workers(workers), f"job resize {job_id} -> {','.join(workers)}"
+        )
+        logger.info("job %d: workers now %s", job_id, ",".join(workers))
+        return after
+
+    def _change_job(self, job_id: int, change: Callable[[JobSpec], JobSpec], what: str) -> JobRecord:
+        """Write exactly the difference between a job's plan and the plan of ``change(spec)``."""
         with self.registry.lock():
             before = self.job(job_id)
             try:
-                spec = before.spec.with_workers(workers)
+                spec = change(before.spec)
             except JobSpecError as exc:
                 raise JobError(str(exc)) from None
             after = allocate(
@@ -308,11 +306,8 @@ class Controller:
             changes = job_updates(self.network, before, after)
             self.connect()
             codecs = self._all_codecs()
-            apply_change(
-                batches_for(changes, self._connections, codecs), f"job resize {job_id} -> {','.join(workers)}"
-            )
+            apply_change(batches_for(changes, self._connections, codecs), what)
             self.registry.put_job(after)
-        logger.info("job %d: workers now %s", job_id, ",".join(workers))
         return after
 
     def remove_job(self, job_id: int) -> JobRecord:

@@ -171,8 +171,16 @@ def test_resize_rewires_the_ring_and_copies_only_on_its_links(fabric: Callable[.
         k[:2] for k in installed if k[0] == "table"
     )
     assert len(ctl.read_installed("s1")) == len(installed)
-    with pytest.raises(JobError, match="at least 2 workers"):
-        ctl.resize_job(7, ("h1",))
+    before, registry = f.snapshot(), ctl.registry.dump()
+    for job_id, workers, message in [
+        (7, ("h1",), "at least 2 workers"),
+        (7, ("h1", "h9"), r"unknown host\(s\) \['h9'\]"),
+        (7, ("h1", "sh1"), "cannot be both worker and shadow"),
+        (9, ("h1", "h2"), "job 9 is not registered"),
+    ]:
+        with pytest.raises(JobError, match=message):
+            ctl.resize_job(job_id, workers)
+    assert f.snapshot() == before and ctl.registry.dump() == registry
     assert ctl.job(7).spec.workers == ("h1", "h3", "h4")
 
 
