@@ -35,6 +35,9 @@ MAX_PAYLOAD_BYTES: Final = JUMBO_MTU - IPV4_HEADER_BYTES - UDP_HEADER_BYTES - HE
 
 _HEADER = struct.Struct("!BBBBIIHHHHIII")
 assert _HEADER.size == HEADER_BYTES
+_FLAGS_OFFSET: Final = 2
+_SEQUENCE_OFFSET: Final = 28
+_SEQUENCE = struct.Struct("!I")
 
 Buffer = bytes | bytearray | memoryview
 
@@ -84,6 +87,10 @@ class DType(enum.IntEnum):
 
 
 _ITEMSIZE: Final = {DType.NONE: 0, DType.FP32: 4, DType.BF16: 2, DType.FP16: 2}
+# Lookups by wire value for the receive path (an Enum call costs a microsecond per field).
+_MESSAGE_TYPES: Final = {int(m): m for m in MessageType}
+_DTYPES: Final = {int(d): d for d in DType}
+_FLAG_VALUES: Final = {v: Flags(v) for v in range(KNOWN_FLAGS + 1) if not v & ~KNOWN_FLAGS}
 
 
 class WireFormatError(ValueError):
@@ -144,29 +151,46 @@ _FIELD_LIMITS: Final = (
 
 def pack_header_into(buffer: bytearray | memoryview, offset: int, header: CheckmateHeader) -> None:
     """Write ``header`` into ``buffer`` at ``offset`` (no allocation)."""
-    for name, bits in _FIELD_LIMITS:
-        value = getattr(header, name)
-        if not 0 <= value < (1 << bits):
-            raise WireFormatError(f"{name}={value} does not fit in {bits} bits")
-    if int(header.flags) & ~KNOWN_FLAGS:
-        raise WireFormatError(f"flags 0x{int(header.flags):02x} has unknown bits")
-    _HEADER.pack_into(
-        buffer,
-        offset,
-        header.version,
-        int(header.msg_type),
-        int(header.flags),
-        int(header.dtype),
-        header.job_id,
-        header.iteration,
-        header.bucket_id,
-        header.sender_rank,
-        header.shard_key,
-        0,
-        header.element_offset,
-        header.element_count,
-        header.sequence,
-    )
+    flags = int(header.flags)
+    if flags & ~KNOWN_FLAGS:
+        raise WireFormatError(f"flags 0x{flags:02x} has unknown bits")
+    try:
+        _HEADER.pack_into(
+            buffer,
+            offset,
+            header.version,
+            int(header.msg_type),
+            flags,
+            int(header.dtype),
+            header.job_id,
+            header.iteration,
+            header.bucket_id,
+            header.sender_rank,
+            header.shard_key,
+            0,
+            header.element_offset,
+            header.element_count,
+            header.sequence,
+        )
+    except struct.error:
+        # struct rejects any field out of its range; name the field (the slow path, errors only)
+        for name, bits in _FIELD_LIMITS:
+            value = getattr(header, name)
+            if not 0 <= value < (1 << bits):
+                raise WireFormatError(f"{name}={value} does not fit in {bits} bits") from None
+        raise WireFormatError(f"header field out of range: {header}") from None
+
+
+def set_sequence(header_bytes: bytearray, sequence: int) -> None:
+    """Overwrite the sequence field of packed header bytes (the transport numbers datagrams)."""
+    if not 0 <= sequence <= 0xFFFFFFFF:
+        raise WireFormatError(f"sequence={sequence} does not fit in 32 bits")
+    _SEQUENCE.pack_into(header_bytes, _SEQUENCE_OFFSET, sequence)
+
+
+def add_flags(header_bytes: bytearray, flags: Flags) -> None:
+    """Set ``flags`` in packed header bytes (RETRANSMIT on a resend)."""
+    header_bytes[_FLAGS_OFFSET] |= int(flags)
 
 
 def _check_payload(header: CheckmateHeader, payload: Buffer) -> memoryview:
@@ -226,15 +250,14 @@ def decode(datagram: Buffer) -> tuple[CheckmateHeader, memoryview]:
     ) = _HEADER.unpack_from(view, 0)
     if version != WIRE_VERSION:
         raise WireFormatError(f"wire version {version}, this build speaks {WIRE_VERSION}")
-    try:
-        kind = MessageType(msg_type)
-    except ValueError:
-        raise WireFormatError(f"unknown message type {msg_type}") from None
-    try:
-        element_type = DType(dtype)
-    except ValueError:
-        raise WireFormatError(f"unknown dtype {dtype}") from None
-    if flags & ~KNOWN_FLAGS:
+    kind = _MESSAGE_TYPES.get(msg_type)
+    if kind is None:
+        raise WireFormatError(f"unknown message type {msg_type}")
+    element_type = _DTYPES.get(dtype)
+    if element_type is None:
+        raise WireFormatError(f"unknown dtype {dtype}")
+    header_flags = _FLAG_VALUES.get(flags)
+    if header_flags is None:
         raise WireFormatError(f"flags 0x{flags:02x} has unknown bits")
     if reserved != 0:
         raise WireFormatError(f"reserved field is 0x{reserved:04x}, must be 0")
@@ -248,7 +271,7 @@ def decode(datagram: Buffer) -> tuple[CheckmateHeader, memoryview]:
         element_count=element_count,
         sequence=sequence,
         dtype=element_type,
-        flags=Flags(flags),
+        flags=header_flags,
         shard_key=shard_key,
         version=version,
     )
@@ -256,9 +279,10 @@ def decode(datagram: Buffer) -> tuple[CheckmateHeader, memoryview]:
     if kind in _ELEMENT_TYPES:
         if element_type is DType.NONE:
             raise WireFormatError(f"{kind.name} datagram without an element dtype")
-        if len(payload) != header.payload_bytes:
+        needed = element_count * _ITEMSIZE[element_type]
+        if len(payload) != needed:
             raise WireFormatError(
-                f"inconsistent: {element_count} x {element_type.name} needs {header.payload_bytes} "
+                f"inconsistent: {element_count} x {element_type.name} needs {needed} "
                 f"payload bytes, datagram has {len(payload)}"
             )
     elif flags & Flags.REPLICATE:

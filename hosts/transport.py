@@ -59,7 +59,9 @@ from checkmate.wire import (
     Flags,
     MessageType,
     WireFormatError,
+    add_flags,
     decode,
+    set_sequence,
 )
 from hosts.faults import FaultConfig, FaultInjector, SendAction
 
@@ -129,7 +131,9 @@ class TransportConfig:
 class _Outstanding:
     seq: int
     header: CheckmateHeader
-    header_bytes: bytes
+    """As the caller passed it: its ``sequence`` and RETRANSMIT flag are not the wire's (see header_bytes)."""
+    header_bytes: bytearray
+    """The bytes sent: ``header`` packed with ``seq`` (and RETRANSMIT once resent)."""
     payload: memoryview
     first_sent: float = 0.0
     last_sent: float = 0.0
@@ -376,8 +380,9 @@ class Transport:
             if seq > MAX_SEQUENCE:
                 raise OverflowError(f"flow to {peer} exhausted its 32-bit sequence space")
             flow.next_seq += 1
-            full = replace(header, sequence=seq)
-            item = _Outstanding(seq=seq, header=full, header_bytes=full.pack(), payload=view)
+            header_bytes = bytearray(header.pack())
+            set_sequence(header_bytes, seq)
+            item = _Outstanding(seq=seq, header=header, header_bytes=header_bytes, payload=view)
             if len(flow.unacked) < min(self.config.window, flow.peer_window) and not flow.pending:
                 self._transmit(flow, item, time.monotonic())
             else:
@@ -397,13 +402,12 @@ class Transport:
         self._emit((item.header_bytes, item.payload), flow.peer)
         self._counters["data_sent"] = self._counters.get("data_sent", 0) + 1
         if self.tap is not None:
-            self.tap(item.header, flow.peer, False)
+            self.tap(replace(item.header, sequence=item.seq), flow.peer, False)
 
     def _retransmit(self, flow: _SendFlow, item: _Outstanding, now: float, why: str) -> None:
         """Resend ``item`` with RETRANSMIT added to its flags (lock held)."""
         if item.retransmits == 0:
-            item.header = item.header.with_flags(item.header.flags | Flags.RETRANSMIT)
-            item.header_bytes = item.header.pack()
+            add_flags(item.header_bytes, Flags.RETRANSMIT)
         item.retransmits += 1
         item.last_sent = now
         del flow.unacked[item.seq]
@@ -412,7 +416,8 @@ class Transport:
         name = f"retransmit.{why}"
         self._counters[name] = self._counters.get(name, 0) + 1
         if self.tap is not None:
-            self.tap(item.header, flow.peer, True)
+            resent = replace(item.header, sequence=item.seq, flags=item.header.flags | Flags.RETRANSMIT)
+            self.tap(resent, flow.peer, True)
 
     def _fill_window(self, flow: _SendFlow, now: float) -> None:
         limit = min(self.config.window, flow.peer_window)
