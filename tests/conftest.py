@@ -12,6 +12,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     is_root = os.geteuid() == 0
     have_bmv2 = shutil.which("simple_switch_grpc") is not None
     have_p4c = shutil.which("p4c") is not None
+    have_cuda = _cuda_available()
     for item in items:
         if "root" in item.keywords and not is_root:
             item.add_marker(pytest.mark.skip(reason="needs root (network namespaces, AF_PACKET)"))
@@ -19,3 +20,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="simple_switch_grpc (BMv2) is not installed"))
         if "p4c" in item.keywords and not have_p4c:
             item.add_marker(pytest.mark.skip(reason="p4c is not installed"))
+        if "cuda" in item.keywords and not have_cuda:
+            item.add_marker(pytest.mark.skip(reason="no CUDA GPU (torch.cuda.is_available() is False)"))
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())

@@ -20,6 +20,9 @@ OPTIMIZERS: dict[str, Callable[[list[dict]], torch.optim.Optimizer]] = {
     "adam": lambda g: torch.optim.Adam(g, lr=1e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=1e-4),
     "adam-amsgrad": lambda g: torch.optim.Adam(g, lr=1e-2, amsgrad=True),
     "adamw": lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.05),
+    "adamw-amsgrad": lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.05, amsgrad=True),
+    "sgd-maximize": lambda g: torch.optim.SGD(g, lr=0.05, momentum=0.9, maximize=True),
+    "adam-maximize": lambda g: torch.optim.Adam(g, lr=1e-2, maximize=True),
 }
 
 

@@ -39,6 +39,25 @@ def test_every_k_iterations_keeping_the_last_m(tmp_path: Path) -> None:
     assert writer.stats.written == 5 and writer.stats.failed == 0
 
 
+def test_every_t_seconds_by_the_clock_not_the_iteration_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = [100.0]
+    monkeypatch.setattr("shadow.snapshots.time.monotonic", lambda: clock[0])
+    writer = Snapshotter(SnapshotPolicy(tmp_path, every_iterations=0, every_seconds=5.0, keep=10))
+    queued = []
+    try:
+        for iteration in range(10):
+            clock[0] = 100.0 + 2.0 * iteration  # one iteration every 2 s
+            if writer.offer(iteration, lambda it=iteration: snapshot(it)):
+                queued.append(iteration)
+            assert writer.flush(10)
+    finally:
+        writer.close()
+    assert queued == [0, 3, 6, 9]  # the first, then whenever 5 s have passed since the last
+    assert fmt.complete_steps(tmp_path) == [0, 3, 6, 9]
+
+
 def test_latest_moves_only_when_every_shard_is_written(tmp_path: Path) -> None:
     shards = [Snapshotter(SnapshotPolicy(tmp_path, every_iterations=1)) for _ in range(2)]
     try:
