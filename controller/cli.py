@@ -3,7 +3,7 @@
     checkmate-ctl --network topologies/single.json pipeline push
     checkmate-ctl --network topologies/single.json forwarding install
     checkmate-ctl --network topologies/single.json job add --job-id 7 --workers h1,h2,h3,h4 --shadows sh1,sh2
-    checkmate-ctl --network topologies/single.json job show 7
+    checkmate-ctl --network topologies/single.json job show 7 [--json] [--shadow-timeout 2] [--no-shadows]
     checkmate-ctl --network topologies/single.json shadow move --job 7 --shard 1 --to sh1
     checkmate-ctl --network topologies/single.json job remove 7
 
@@ -28,6 +28,14 @@ from controller.controller import Controller
 from controller.errors import ControllerError
 from controller.pipeline import DEFAULT_P4INFO, PipelineConfig, Target
 from controller.registry import Registry
+from controller.shadow_status import (
+    DEFAULT_SHADOW_TIMEOUT_S,
+    SHADOW_CONTROL_PORT,
+    Addr,
+    query_shadows,
+    shadow_addresses,
+    summary_line,
+)
 from controller.switch_connection import DEFAULT_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
@@ -77,6 +85,33 @@ def _shard(text: str) -> tuple[int, str]:
         return int(key), shadow
     except ValueError:
         raise argparse.ArgumentTypeError(f"shard key {key!r} is not an integer") from None
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is outside 1..65535")
+    return value
+
+
+def _shadow_address(text: str) -> tuple[str, Addr]:
+    """``NAME=HOST[:PORT]`` (the port defaults to the shadow control port)."""
+    name, sep, where = text.partition("=")
+    if not sep or not name or not where:
+        raise argparse.ArgumentTypeError(f"{text!r} must be SHADOW=HOST[:PORT], e.g. sh1=127.0.0.1:48880")
+    if where.startswith("["):  # [IPv6]:PORT
+        host, _, rest = where[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif where.count(":") == 1:
+        host, _, port_text = where.partition(":")
+    else:
+        host, port_text = where, ""
+    if not host:
+        raise argparse.ArgumentTypeError(f"{text!r} names no host")
+    return name, (host, _port(port_text) if port_text else SHADOW_CONTROL_PORT)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,11 +225,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show = job_cmds.add_parser(
         "show",
-        help="show a job and its per-switch counters",
-        description="Show a job, what it holds at each switch, and its counters since it was added.",
+        help="show a job, its per-switch counters and its shadows' status",
+        description="Show a job, what it holds at each switch, its counters since it was added, and "
+        "the status of each of its shadows (asked on their control port). A shadow that does not "
+        "answer is reported on its line; it does not make the command fail.",
     )
     show.add_argument("job_id", type=int)
     show.add_argument("--json", action="store_true", help="print JSON")
+    show.add_argument(
+        "--shadow-timeout",
+        type=_positive_float,
+        default=DEFAULT_SHADOW_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds each shadow has to answer (default {DEFAULT_SHADOW_TIMEOUT_S:g}); asked in parallel",
+    )
+    show.add_argument(
+        "--shadow-control-port",
+        type=_port,
+        default=SHADOW_CONTROL_PORT,
+        metavar="PORT",
+        help=f"TCP port of the shadows' control channel (default {SHADOW_CONTROL_PORT})",
+    )
+    show.add_argument(
+        "--shadow-address",
+        type=_shadow_address,
+        action="append",
+        default=[],
+        metavar="SHADOW=HOST[:PORT]",
+        help="ask SHADOW there instead of at its IP in the network description (repeatable)",
+    )
+    show.add_argument("--no-shadows", action="store_true", help="do not ask the shadows for their status")
 
     shadow = commands.add_parser(
         "shadow", help="shadow assignment", description="Change which shadow gets a shard."
@@ -320,16 +380,23 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(f"job {args.job_id} removed")
             return 0
         if args.action == "show":
-            _show(ctl, args.job_id, args.json)
+            _show(ctl, network, args)
             return 0
     parser.error(f"unknown command {args.command}")
     return 2
 
 
-def _show(ctl: Controller, job_id: int, as_json: bool) -> None:
-    status = ctl.job_status(job_id)
+def _show(ctl: Controller, network: Network, args: argparse.Namespace) -> None:
+    status = ctl.job_status(args.job_id)
     record = status.record
-    if as_json:
+    shadows = None
+    if not args.no_shadows:
+        overrides = dict(args.shadow_address)
+        for name in sorted(set(overrides) - set(record.spec.shadows)):
+            logger.warning("--shadow-address %s: job %d has no shadow %s", name, args.job_id, name)
+        addresses = shadow_addresses(record.spec, network, args.shadow_control_port, overrides)
+        shadows = query_shadows(addresses, args.shadow_timeout, record.spec.job_id)
+    if args.json:
         out = {
             "job": record.spec.to_json(),
             "slot": record.slot,
@@ -343,6 +410,8 @@ def _show(ctl: Controller, job_id: int, as_json: bool) -> None:
                 for switch, values in status.counters.items()
             },
         }
+        if shadows is not None:
+            out["shadows"] = {answer.shadow: answer.to_json() for answer in shadows}
         print(json.dumps(out, indent=2))
         return
     _print_job_line(record.spec, record.slot)
@@ -358,6 +427,10 @@ def _show(ctl: Controller, job_id: int, as_json: bool) -> None:
     print(
         f"  total: shadow_copies {copies.packets} / {copies.bytes}, rejected_replications {rejected.packets}"
     )
+    if shadows is not None:
+        print(f"  shadows (status on their control port, {args.shadow_timeout:g} s timeout):")
+        for answer in shadows:
+            print(f"    {summary_line(answer, record.spec.job_id)}")
 
 
 def _quiet_p4runtime_shell(record: logging.LogRecord) -> bool:

@@ -1,0 +1,221 @@
+"""Ask a job's shadows for their status, for ``checkmate-ctl job show``.
+
+Each shadow answers a ``status_request`` on its control port (TCP, default
+48880) with its status document (docs/shadow.md, "Status fields"). This module
+speaks just that exchange of the control channel (docs/protocol.md: a frame is
+``"CMC1" | json_len: u32 BE | blob_len: u64 BE | JSON | blob``) so that the
+controller does not import :mod:`checkmate.control`, which pulls in torch.
+
+Every query has a deadline: connecting, sending and reading the whole reply
+together take at most ``timeout`` seconds. The shadows are asked in parallel,
+and a shadow that is down, slow or answers garbage becomes a
+:class:`ShadowStatus` with an ``error``; nothing here raises for one shadow.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import struct
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from checkmate.job import JobSpec
+from checkmate.network import Network, NetworkError
+
+logger = logging.getLogger(__name__)
+
+Addr = tuple[str, int]
+
+SHADOW_CONTROL_PORT = 48880
+"""A shadow's control port: the same value as ``checkmate.control.DEFAULT_CONTROL_PORT``."""
+DEFAULT_SHADOW_TIMEOUT_S = 2.0
+"""Seconds ``job show`` gives each shadow to answer."""
+MAX_PARALLEL_QUERIES = 32
+MAX_STATUS_BYTES = 16 << 20
+"""A status document is a few KiB; a reply announcing more is not a shadow's."""
+
+_MAGIC = b"CMC1"
+_PREFIX = struct.Struct("!4sIQ")
+
+
+class ShadowStatusError(Exception):
+    """One shadow could not be asked or gave no usable answer; the message says why."""
+
+
+@dataclass(frozen=True)
+class ShadowStatus:
+    """The answer of one shadow: its status document, or why there is none."""
+
+    shadow: str
+    address: str
+    """``host:port`` asked, or "" when the shadow has no address."""
+    status: dict[str, Any] | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The status document, or ``{"error": ...}``."""
+        if self.status is not None:
+            return self.status
+        return {"error": self.error or "no status"}
+
+
+def _format_address(address: Addr) -> str:
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def shadow_addresses(
+    spec: JobSpec,
+    network: Network,
+    control_port: int = SHADOW_CONTROL_PORT,
+    overrides: Mapping[str, Addr] | None = None,
+) -> dict[str, Addr | ShadowStatusError]:
+    """Where to ask each of the job's shadows: ``overrides[name]``, else its network IP + ``control_port``.
+
+    A shadow that is neither overridden nor a host of the network maps to the error.
+    """
+    overrides = overrides or {}
+    addresses: dict[str, Addr | ShadowStatusError] = {}
+    for name in spec.shadows:
+        if name in overrides:
+            addresses[name] = overrides[name]
+            continue
+        try:
+            addresses[name] = (str(network.host(name).address), control_port)
+        except NetworkError as exc:
+            addresses[name] = ShadowStatusError(f"no address: {exc}")
+    return addresses
+
+
+def _left(deadline: float, timeout: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"no answer within {timeout:g} s")
+    return left
+
+
+def _recv_exact(conn: socket.socket, n: int, deadline: float, timeout: float) -> bytes:
+    parts: list[bytes] = []
+    got = 0
+    while got < n:
+        conn.settimeout(_left(deadline, timeout))
+        chunk = conn.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise ShadowStatusError(f"bad reply: connection closed after {got} of {n} bytes")
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def query_status(address: Addr, timeout: float, job_id: int = 0) -> dict[str, Any]:
+    """One shadow's status document; raises :class:`ShadowStatusError` naming the cause.
+
+    The whole exchange (connect, request, reply) takes at most ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    request = json.dumps({"type": "status_request", "job_id": job_id}).encode()
+    try:
+        with socket.create_connection(address, timeout=timeout) as conn:
+            conn.settimeout(_left(deadline, timeout))
+            conn.sendall(_PREFIX.pack(_MAGIC, len(request), 0) + request)
+            magic, json_len, blob_len = _PREFIX.unpack(_recv_exact(conn, _PREFIX.size, deadline, timeout))
+            if magic != _MAGIC:
+                raise ShadowStatusError(f"bad reply: frame magic {magic!r}, expected {_MAGIC!r}")
+            if json_len + blob_len > MAX_STATUS_BYTES:
+                raise ShadowStatusError(f"bad reply: {json_len + blob_len} bytes announced for a status")
+            text = _recv_exact(conn, json_len, deadline, timeout)
+    except ShadowStatusError:
+        raise
+    except TimeoutError:
+        raise ShadowStatusError(f"no answer within {timeout:g} s") from None
+    except ConnectionRefusedError:
+        raise ShadowStatusError("connection refused (no shadow listening)") from None
+    except OSError as exc:
+        raise ShadowStatusError(exc.strerror or str(exc)) from None
+    try:
+        body = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ShadowStatusError(f"bad reply: not JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise ShadowStatusError(f"bad reply: a JSON {type(body).__name__}, not an object")
+    if body.get("type") != "status":
+        raise ShadowStatusError(f"bad reply: {body.get('type')!r} to a status request")
+    status = body.get("status")
+    if not isinstance(status, dict):
+        raise ShadowStatusError("bad reply: the status is not a JSON object")
+    return status
+
+
+def _ask(name: str, address: Addr | ShadowStatusError, timeout: float, job_id: int) -> ShadowStatus:
+    if isinstance(address, ShadowStatusError):
+        return ShadowStatus(name, "", error=str(address))
+    where = _format_address(address)
+    try:
+        return ShadowStatus(name, where, status=query_status(address, timeout, job_id))
+    except ShadowStatusError as exc:
+        logger.info("shadow %s at %s: %s", name, where, exc)
+        return ShadowStatus(name, where, error=str(exc))
+
+
+def query_shadows(
+    addresses: Mapping[str, Addr | ShadowStatusError],
+    timeout: float = DEFAULT_SHADOW_TIMEOUT_S,
+    job_id: int = 0,
+) -> list[ShadowStatus]:
+    """Every shadow's status, asked in parallel, in the order of ``addresses``; never raises for a shadow."""
+    if not addresses:
+        return []
+    names = list(addresses)
+    with ThreadPoolExecutor(
+        max_workers=min(len(names), MAX_PARALLEL_QUERIES), thread_name_prefix="shadow-status"
+    ) as pool:
+        return list(pool.map(lambda name: _ask(name, addresses[name], timeout, job_id), names))
+
+
+# ---- one line per shadow ---------------------------------------------------------------
+def _value(document: Mapping[str, Any], key: str) -> str:
+    value = document.get(key)
+    return "-" if value is None else str(value)
+
+
+def _counts(value: Any) -> dict[str, Any]:
+    return dict(value) if isinstance(value, Mapping) else {}
+
+
+def summary_line(answer: ShadowStatus, job_id: int | None = None) -> str:
+    """``sh1 10.0.9.1:48880: running  certified 41  applied 41  lag 1  received ...`` or the error.
+
+    With ``job_id``, a shadow that serves another job says so.
+    """
+    where = f"{answer.shadow} {answer.address}" if answer.address else answer.shadow
+    if answer.status is None:
+        return f"{where}: error: {answer.error}"
+    doc = answer.status
+    parts = [
+        f"{where}: {_value(doc, 'state')}",
+        f"certified {_value(doc, 'certified_iteration')}",
+        f"applied {_value(doc, 'applied_iteration')}",
+        f"lag {_value(doc, 'lag_iterations')}",
+        f"received {_value(doc, 'packets_received')} packets / {_value(doc, 'bytes_received')} bytes",
+    ]
+    repairs = _counts(doc.get("repairs"))
+    parts.append(
+        f"repairs {repairs.get('requests', 0)} requests / {repairs.get('elements_repaired', 0)} elements"
+        + (f" / {repairs['unrepairable']} unrepairable" if repairs.get("unrepairable") else "")
+    )
+    drops = {k: v for k, v in _counts(doc.get("drops")).items() if v}
+    if drops:
+        parts.append("drops " + ", ".join(f"{k} {v}" for k, v in sorted(drops.items())))
+    else:
+        parts.append("drops 0")
+    if doc.get("blocked"):
+        parts.append(f"blocked: {doc['blocked']}")
+    served = doc.get("job_id")
+    if job_id is not None and served is not None and served != job_id:
+        parts.append(f"serves job {served}, not {job_id}")
+    return "  ".join(parts)
