@@ -4,6 +4,8 @@
   data-parallel workers each call it; every worker gets the same state).
 * :func:`zero1_slice` gives one rank of a ZeRO-1-style partition its slice of
   the flattened parameters and optimizer states, reading only those bytes.
+* :func:`data_position` is where the workers resume reading data after the
+  checkpoint's step (a shadow snapshot's ``extra["data_position"]``).
 
 Both are strict: the model's parameter names must equal the checkpoint's,
 shapes must match, and every tensor read is checked against its checksum.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -90,6 +93,16 @@ def _load_optimizer(
             hyper.update({k: v for k, v in saved.items() if k in hyper})
         groups.append({**hyper, "params": indices})
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def data_position(reader: CheckpointReader) -> Any:
+    """The workers' data position after the checkpoint's step, or None when it holds none.
+
+    Shadow snapshots keep what rank 0 set with ``CheckmateAgent.set_data_position``
+    for that step (a JSON value) in ``global.json``'s ``extra``.
+    """
+    extra = reader.global_state.get("extra")
+    return extra.get("data_position") if isinstance(extra, dict) else None
 
 
 @dataclass(frozen=True)

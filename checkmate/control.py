@@ -22,19 +22,22 @@ from __future__ import annotations
 
 import json
 import socket
-import struct
 import sys
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-MAGIC = b"CMC1"
-_PREFIX = struct.Struct("!4sIQ")
-MAX_JSON_BYTES = 64 << 20
-MAX_BLOB_BYTES = 1 << 40
-DEFAULT_CONTROL_PORT = 48880
-"""TCP port a shadow listens on for its control channel, unless the job says otherwise."""
+# The framing and its constants live in the torch-free checkmate.control_frame; re-exported here.
+from checkmate.control_frame import DEFAULT_CONTROL_PORT as DEFAULT_CONTROL_PORT
+from checkmate.control_frame import MAGIC as MAGIC
+from checkmate.control_frame import MAX_BLOB_BYTES as MAX_BLOB_BYTES
+from checkmate.control_frame import MAX_JSON_BYTES as MAX_JSON_BYTES
+from checkmate.control_frame import PREFIX, frame_prefix, parse_prefix
+from checkmate.control_frame import ControlProtocolError as ControlProtocolError
+
+MAX_DATA_POSITION_BYTES = 64 << 10
+"""Largest data position a commit may carry, measured as compact UTF-8 JSON."""
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -54,10 +57,6 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian host is suppor
     raise ImportError("checkmate.control assumes a little-endian host")
 
 
-class ControlProtocolError(ValueError):
-    """A frame or message that does not follow docs/protocol.md; the message says why."""
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _DTYPE_NAMES[dtype]
@@ -70,6 +69,28 @@ def torch_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ControlProtocolError(f"unknown tensor dtype {name!r}") from None
+
+
+def validate_data_position(position: Any) -> Any:
+    """``position`` as JSON gives it back (a private copy), or ValueError saying why it cannot travel.
+
+    A data position is any JSON value but null (null on the wire means "unchanged"):
+    strict JSON (no NaN or infinities), at most :data:`MAX_DATA_POSITION_BYTES` as
+    compact UTF-8. The copy is what a restore returns: tuples come back as lists and
+    non-string dictionary keys as strings.
+    """
+    if position is None:
+        raise ValueError("a data position cannot be None (null means 'unchanged' on the control channel)")
+    try:
+        text = json.dumps(position, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"data position is not JSON-serialisable: {exc}") from None
+    size = len(text.encode())
+    if size > MAX_DATA_POSITION_BYTES:
+        raise ValueError(
+            f"data position is {size} bytes as JSON; the limit is {MAX_DATA_POSITION_BYTES} bytes"
+        )
+    return json.loads(text)
 
 
 # ---- messages ---------------------------------------------------------------------------
@@ -126,7 +147,9 @@ class JobStart:
     job: dict[str, Any] | None = None
     """The job description (``JobSpec.to_json()``) when the workers have one."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """Anything else (a shadow's restore answer: ``shadow``, ``iteration``, ``optimizer_step``, ...)."""
+    """Anything else: from rank 0, ``data_position`` (the data position after iteration
+    ``start_iteration`` - 1, when the workers set one); in a shadow's restore answer,
+    ``shadow``, ``iteration``, ``optimizer_step``, ``data_position``, ..."""
 
 
 @dataclass
@@ -156,6 +179,10 @@ class Commit:
     """Per group, the scalar hyperparameters that changed since the last message (often empty)."""
     optimizer_step: int = 0
     """How many optimizer steps the workers have taken, this one included."""
+    data_position: Any = None
+    """Where to resume reading data after this iteration (a JSON value, see
+    :func:`validate_data_position`); None, and absent on the wire: unchanged since
+    the previous iteration."""
 
 
 @dataclass
@@ -309,12 +336,14 @@ def encode_message(message: Message) -> list[bytes | memoryview]:
         )
     else:
         body.update({k: v for k, v in vars(message).items()})
+        if isinstance(message, Commit) and message.data_position is None:
+            del body["data_position"]  # optional: a commit without it reads as before
     try:
         text = json.dumps(body, allow_nan=True, separators=(",", ":")).encode()
     except (TypeError, ValueError) as exc:
         raise ControlProtocolError(f"{message.TYPE} message is not JSON-serialisable: {exc}") from None
     blob_len = sum(len(b) for b in blobs)
-    return [_PREFIX.pack(MAGIC, len(text), blob_len), text, *blobs]
+    return [frame_prefix(len(text), blob_len), text, *blobs]
 
 
 def decode_message(
@@ -390,11 +419,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
 def recv_message(sock: socket.socket, timeout: float) -> Message:
     """Read one frame (each socket read waits at most ``timeout`` seconds)."""
     sock.settimeout(timeout)
-    magic, json_len, blob_len = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size))
-    if magic != MAGIC:
-        raise ControlProtocolError(f"bad frame magic {magic!r}, expected {MAGIC!r}")
-    if json_len > MAX_JSON_BYTES or blob_len > MAX_BLOB_BYTES:
-        raise ControlProtocolError(f"frame too large: json {json_len} bytes, blob {blob_len} bytes")
+    json_len, blob_len = parse_prefix(_recv_exact(sock, PREFIX.size))
     text = _recv_exact(sock, json_len)
     blob = _recv_exact(sock, blob_len) if blob_len else bytearray()
     return decode_message(text, blob)

@@ -2,9 +2,9 @@
 
 Each shadow answers a ``status_request`` on its control port (TCP, default
 48880) with its status document (docs/shadow.md, "Status fields"). This module
-speaks just that exchange of the control channel (docs/protocol.md: a frame is
-``"CMC1" | json_len: u32 BE | blob_len: u64 BE | JSON | blob``) so that the
-controller does not import :mod:`checkmate.control`, which pulls in torch.
+speaks just that exchange of the control channel, on the torch-free framing of
+:mod:`checkmate.control_frame` (the controller does not import
+:mod:`checkmate.control`, which pulls in torch).
 
 Every query has a deadline: connecting, sending and reading the whole reply
 together take at most ``timeout`` seconds. The shadows are asked in parallel,
@@ -17,13 +17,19 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import struct
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from checkmate.control_frame import (
+    DEFAULT_CONTROL_PORT,
+    PREFIX,
+    ControlProtocolError,
+    frame_prefix,
+    parse_prefix,
+)
 from checkmate.job import JobSpec
 from checkmate.network import Network, NetworkError
 
@@ -31,16 +37,13 @@ logger = logging.getLogger(__name__)
 
 Addr = tuple[str, int]
 
-SHADOW_CONTROL_PORT = 48880
-"""A shadow's control port: the same value as ``checkmate.control.DEFAULT_CONTROL_PORT``."""
+SHADOW_CONTROL_PORT = DEFAULT_CONTROL_PORT
+"""A shadow's control port unless told otherwise."""
 DEFAULT_SHADOW_TIMEOUT_S = 2.0
 """Seconds ``job show`` gives each shadow to answer."""
 MAX_PARALLEL_QUERIES = 32
 MAX_STATUS_BYTES = 16 << 20
 """A status document is a few KiB; a reply announcing more is not a shadow's."""
-
-_MAGIC = b"CMC1"
-_PREFIX = struct.Struct("!4sIQ")
 
 
 class ShadowStatusError(Exception):
@@ -122,10 +125,11 @@ def query_status(address: Addr, timeout: float, job_id: int = 0) -> dict[str, An
     try:
         with socket.create_connection(address, timeout=timeout) as conn:
             conn.settimeout(_left(deadline, timeout))
-            conn.sendall(_PREFIX.pack(_MAGIC, len(request), 0) + request)
-            magic, json_len, blob_len = _PREFIX.unpack(_recv_exact(conn, _PREFIX.size, deadline, timeout))
-            if magic != _MAGIC:
-                raise ShadowStatusError(f"bad reply: frame magic {magic!r}, expected {_MAGIC!r}")
+            conn.sendall(frame_prefix(len(request), 0) + request)
+            try:
+                json_len, blob_len = parse_prefix(_recv_exact(conn, PREFIX.size, deadline, timeout))
+            except ControlProtocolError as exc:
+                raise ShadowStatusError(f"bad reply: {exc}") from None
             if json_len + blob_len > MAX_STATUS_BYTES:
                 raise ShadowStatusError(f"bad reply: {json_len + blob_len} bytes announced for a status")
             text = _recv_exact(conn, json_len, deadline, timeout)

@@ -19,7 +19,9 @@ which
   copied through host memory and the result copied back;
 * registers an optimizer step post-hook that, on rank 0, sends the shadows
   the iteration's commit record (learning rates, clipping coefficient, skip
-  flag) over the control channel, after the initial state;
+  flag, and the data position the script set with
+  :meth:`CheckmateAgent.set_data_position`) over the control channel, after
+  the initial state;
 * replaces ``torch.nn.utils.clip_grad_norm_`` with :func:`clip_grad_norm_`,
   which does exactly the same and records the clamped float32 coefficient
   for the commit record (scripts that imported the function by name before
@@ -56,6 +58,7 @@ from checkmate.control import (
     ParamSlice,
     ParamSpec,
     dtype_name,
+    validate_data_position,
 )
 from checkmate.job import JobSpec
 from checkmate.wire import CHECKMATE_UDP_PORT
@@ -284,7 +287,10 @@ class CheckmateAgent:
         ddp_model: torch.nn.parallel.DistributedDataParallel,
         optimizer: torch.optim.Optimizer,
         config: CheckmateConfig,
+        *,
+        data_position: Any = None,
     ) -> None:
+        initial_position = None if data_position is None else validate_data_position(data_position)
         self.model = ddp_model
         self.optimizer = optimizer
         self.config = config
@@ -319,6 +325,10 @@ class CheckmateAgent:
         self._clip_coefficient: float | None = None
         self._last_hyper: list[dict[str, Any]] = []
         self.optimizer_steps = config.optimizer_step
+        self._data_position: Any = None
+        """Set by :meth:`set_data_position` since the last commit (None: not set)."""
+        self._committed_position: Any = initial_position
+        """The data position after the last committed iteration (None: unknown)."""
         self.commits: list[Commit] = []
         """Commit records made on this rank (rank 0), for inspection."""
         self.channel: ControlChannel | None = None
@@ -404,6 +414,7 @@ class CheckmateAgent:
             tensors=tensors,
             optimizer_scalars=scalars,
             job=self._job_description(),
+            extra={} if self._committed_position is None else {"data_position": self._committed_position},
         )
 
     def _job_description(self) -> dict[str, Any] | None:
@@ -482,6 +493,29 @@ class CheckmateAgent:
             self.channel.post_state(lambda: self._state_messages(iteration + 1))
         self.ring.release_through(iteration - self.config.keep_iterations)
 
+    def _final_state_to_rejoining_shadows(self, channel: ControlChannel, timeout: float) -> None:
+        """At close: a shadow whose link is down or waiting for state (it restarted) gets the final state.
+
+        During training a restarted shadow is re-seeded after the next optimizer step;
+        one that comes back during the last steps would otherwise end without the
+        job's final state. Waits at most ``timeout`` for such a link to connect.
+        """
+        if all(link.connected and not link.needs_state for link in channel.links):
+            return
+        channel.wait_connected(timeout)
+        if channel.post_state(lambda: self._state_messages(self.iteration)):
+            logger.info(
+                "checkmate: gave the final state (after iteration %d) to a rejoining shadow",
+                self.iteration - 1,
+            )
+        missing = [link.name for link in channel.links if not link.connected]
+        if missing:
+            logger.warning(
+                "checkmate: shadows %s unreachable at close: they do not hold the state after iteration %d",
+                ", ".join(missing),
+                self.iteration - 1,
+            )
+
     def _state_messages(self, start_iteration: int) -> list[Message]:
         messages: list[Message] = [self._job_start(start_iteration)]
         if self._layout_sent is not None:
@@ -491,6 +525,9 @@ class CheckmateAgent:
     def _commit(self, iteration: int, skipped: bool) -> None:
         self._uncommitted = None
         coefficient, self._clip_coefficient = self._clip_coefficient, None
+        position, self._data_position = self._data_position, None
+        if position is not None:
+            self._committed_position = position
         if self.rank != 0:
             return
         changed: list[dict[str, Any]] = []
@@ -508,10 +545,39 @@ class CheckmateAgent:
             skip_step=skipped,
             hyperparameters=changed if any(changed) else [],
             optimizer_step=self.optimizer_steps,
+            data_position=position,
         )
         self.commits.append(commit)
         if self.channel is not None:
             self.channel.post(commit)
+
+    def set_data_position(self, position: Any) -> None:
+        """Record where to resume reading data if iteration t is the last one restored.
+
+        Call it in iteration t *before* ``optimizer.step()`` (a call after the step
+        belongs to iteration t + 1) with the position after t: the data iteration
+        t + 1 starts with, e.g. ``{"epoch": 2, "batch": 118}`` or a sampler's state
+        dict. Rank 0 sends it with iteration t's commit record; the shadows keep it
+        with the state after t, and a restore of that state returns it as
+        ``data_position`` (also stored in their snapshots' ``extra``). For a step
+        that was skipped (a loss-scaler skip) the value set when the next
+        iteration's gradients start to be reduced (or at :meth:`close`) is sent.
+        An iteration without a call keeps the previous iteration's position. Only
+        rank 0's value travels; other ranks may call it too (it is validated and
+        otherwise ignored).
+
+        ``position`` is any JSON value but None, at most 64 KiB as compact JSON
+        (:data:`checkmate.control.MAX_DATA_POSITION_BYTES`), no NaN or infinities; it
+        is copied at once (later changes to the object do not travel), and comes
+        back as JSON gives it back (tuples as lists, dictionary keys as strings).
+        Raises ValueError naming the problem otherwise.
+        """
+        self._data_position = validate_data_position(position)
+
+    @property
+    def data_position(self) -> Any:
+        """The data position after the last committed iteration (None: never set)."""
+        return self._committed_position
 
     def wait_certified(self, iteration: int, timeout: float) -> bool:
         """On rank 0: wait (at most ``timeout``) until every shadow has certified ``iteration``.
@@ -544,6 +610,7 @@ class CheckmateAgent:
                 torch.nn.utils.clip_grad_norm_ = _ORIGINAL_CLIP
                 torch.nn.utils.clip_grad.clip_grad_norm_ = _ORIGINAL_CLIP
         if self.channel is not None:
+            self._final_state_to_rejoining_shadows(self.channel, timeout)
             self.channel.flush(timeout)
             self.channel.close(timeout)
         # Drain while every peer still listens (its last ACKs may need a retransmission), then
@@ -563,12 +630,15 @@ def enable_checkmate(
     *,
     start_iteration: int | None = None,
     optimizer_step: int | None = None,
+    data_position: Any = None,
 ) -> CheckmateAgent:
     """The one line to add to a DDP script (after ``init_process_group`` and the optimizer).
 
     A job resumed from a checkpoint passes the iteration it continues with (and the
     optimizer steps already taken), so iterations keep the job's numbers; this overrides
-    ``CHECKMATE_START_ITERATION`` / ``CHECKMATE_OPTIMIZER_STEP``.
+    ``CHECKMATE_START_ITERATION`` / ``CHECKMATE_OPTIMIZER_STEP``. ``data_position`` is
+    where the data of iteration ``start_iteration`` begins (the position of the state
+    the shadows are first given; see :meth:`CheckmateAgent.set_data_position`).
     """
     config = config or CheckmateConfig.from_env()
     if start_iteration is not None or optimizer_step is not None:
@@ -577,4 +647,4 @@ def enable_checkmate(
             start_iteration=config.start_iteration if start_iteration is None else start_iteration,
             optimizer_step=config.optimizer_step if optimizer_step is None else optimizer_step,
         )
-    return CheckmateAgent(ddp_model, optimizer, config)
+    return CheckmateAgent(ddp_model, optimizer, config, data_position=data_position)

@@ -24,6 +24,15 @@ arrives right after a job_start carrying the state before the layout's first
 iteration; the shadow re-seeds from it, so it never applies an update to a
 parameter whose previous state it does not hold. A layout without that state
 makes the shadow ask for it (goodbye; rank 0 reconnects and resends).
+
+Data position: the workers' data position after each iteration (any JSON value,
+``CheckmateAgent.set_data_position``) arrives in the commit record, or in a
+job_start's ``extra`` for the state it seeds; a commit without one keeps the
+previous iteration's. The shadow keeps the position with the applied state and
+hands it out with it (restore answers, snapshots' ``extra``). A position that is
+not strict JSON or is too large is refused (logged, counted as the drop
+``bad_data_position``): the iteration is still applied, its position is unknown
+(null) until a valid one arrives.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import load_file
@@ -65,6 +74,7 @@ from checkmate.control import (
     recv_message,
     send_message,
     torch_dtype,
+    validate_data_position,
 )
 from checkmate.job import JobSpec, JobSpecError
 from checkmate.wire import (
@@ -144,6 +154,19 @@ class _Job:
     spec: JobSpec | None
 
 
+class _CommitEntry(NamedTuple):
+    """A commit record held until its iteration is applied."""
+
+    record: StepRecord
+    arrival: float
+    """``time.monotonic()`` when it arrived."""
+    optimizer_step: int
+    sets_position: bool
+    """The commit carried a data position (else the previous iteration's stays)."""
+    data_position: Any
+    """That position, validated; None if it was refused."""
+
+
 @dataclass
 class _Capture:
     iteration: int
@@ -192,12 +215,14 @@ class ShadowNode:
         self._pending_start: JobStart | None = None
         self._stash: dict[int, list[tuple[bytearray, float]]] = {}
         self._stash_bytes = 0
-        self._commits: dict[int, tuple[StepRecord, float, int]] = {}
-        """iteration -> (step record, arrival time, optimizer_step)."""
+        self._commits: dict[int, _CommitEntry] = {}
         self._latest_commit = -1
         self._latest_seen = -1
         self._applied = -1
         self._optimizer_step = 0
+        self._data_position: Any = None
+        """The workers' data position after ``self._applied`` (None: unknown)."""
+        self._bad_positions = 0
         self._certified = -1
         self._blocked: str | None = None
         self._captures: dict[int, list[_Capture]] = {}
@@ -574,6 +599,9 @@ class ShadowNode:
         except (JobSpecError, ValueError) as exc:
             logger.error("shadow %s: unusable job_start: %s", self.name, exc)
             return False
+        if message.extra.get("data_position") is not None:
+            position = self._checked_position(message.extra["data_position"], message.start_iteration - 1)
+            message.extra["data_position"] = position
         with self._lock:
             new_run = conn is not self._job_conn or (
                 self._job is not None
@@ -665,6 +693,7 @@ class ShadowNode:
                 self._epoch = epoch
                 self._applied = start.start_iteration - 1
                 self._optimizer_step = int(start.extra.get("optimizer_step", self._optimizer_step))
+                self._data_position = start.extra.get("data_position")
             self._pending_start = None
             self._restored_from = None
             # Certificates name the job's iterations: after a re-seed at t (a restart may
@@ -742,8 +771,28 @@ class ShadowNode:
                 optimizer.optimizer.state[parameter] = state
         return optimizer
 
+    def _checked_position(self, position: Any, iteration: int) -> Any:
+        """``position`` validated, or None (logged and counted) if it is refused."""
+        try:
+            return validate_data_position(position)
+        except ValueError as exc:
+            with self._lock:
+                self._drop("bad_data_position")
+                self._bad_positions += 1
+                first = self._bad_positions == 1
+            (logger.error if first else logger.debug)(
+                "shadow %s: data position of iteration %d refused (%d so far; its position is unknown): %s",
+                self.name,
+                iteration,
+                self._bad_positions,
+                exc,
+            )
+            return None
+
     def _on_commit(self, message: Commit) -> None:
         now = time.monotonic()
+        sets_position = message.data_position is not None
+        position = self._checked_position(message.data_position, message.iteration) if sets_position else None
         with self._lock:
             job = self._job
             if job is None or message.job_id != job.job_id:
@@ -762,7 +811,9 @@ class ShadowNode:
             if message.iteration <= self._applied:
                 self._drop("stale_commit")
                 return
-            self._commits[message.iteration] = (record, now, message.optimizer_step)
+            self._commits[message.iteration] = _CommitEntry(
+                record, now, message.optimizer_step, sets_position, position
+            )
             self._latest_commit = max(self._latest_commit, message.iteration)
             epoch = self._epoch
             if epoch is not None:
@@ -781,13 +832,13 @@ class ShadowNode:
                     if nxt in self._commits:
                         waiting = epoch.window.pending.get(nxt)
                         if waiting is None or waiting.step is None:
-                            epoch.window.commit(self._commits[nxt][0])
+                            epoch.window.commit(self._commits[nxt].record)
                     pending = epoch.window.ready()
                 if pending is None:
                     self._lock.wait(0.05)
                     continue
                 assert epoch is not None
-                commit_time, optimizer_step = self._commits[pending.iteration][1:]
+                entry = self._commits[pending.iteration]
                 gradients = epoch.window.gradients(pending)
             assert pending.step is not None
             started = time.perf_counter()
@@ -796,7 +847,9 @@ class ShadowNode:
                     continue  # re-seeded meanwhile: this iteration is part of the new state
                 epoch.optimizer.apply(pending.step, gradients)
                 self._applied = pending.iteration
-                self._optimizer_step = optimizer_step
+                self._optimizer_step = entry.optimizer_step
+                if entry.sets_position:
+                    self._data_position = entry.data_position
                 self._fulfil_captures_locked()
             elapsed = time.perf_counter() - started
             with self._lock:
@@ -811,7 +864,7 @@ class ShadowNode:
                 self.stats.apply_seconds += elapsed
                 self.stats.last_apply_seconds = elapsed
                 self.stats.applied_elements += sum(p.numel() for p in epoch.optimizer.parameters.values())
-                self.stats.last_commit_to_apply_seconds = time.monotonic() - commit_time
+                self.stats.last_commit_to_apply_seconds = time.monotonic() - entry.arrival
                 self._lock.notify_all()
             self._certify(pending.iteration)
             self._maybe_snapshot(epoch, pending.iteration)
@@ -860,6 +913,7 @@ class ShadowNode:
             for name, tensor in epoch.static.items():
                 states[name] = {fmt.PARAM_STATE: tensor.clone()}
             groups = self._groups_now(job, epoch)
+            position = self._data_position
         parameters = {p.name: (list(p.shape), str(torch_dtype(p.dtype))) for p in job.parameters}
         return Snapshot(
             step=iteration,
@@ -872,6 +926,7 @@ class ShadowNode:
                 "job_id": job.job_id,
                 "iteration": iteration,
                 "optimizer_step": self._optimizer_step,
+                "data_position": position,
                 "shards": self._shard_owners(job),
             },
         )
@@ -963,6 +1018,8 @@ class ShadowNode:
         self._applied = step
         self._certified = step
         self._optimizer_step = int(start.extra.get("optimizer_step", 0))
+        saved = start.extra.get("data_position")
+        self._data_position = None if saved is None else self._checked_position(saved, step)
         self._restored_from = step
         self._blocked = "resumed from a snapshot: waiting for rank 0's state to rejoin the job"
         logger.info(
@@ -1041,6 +1098,7 @@ class ShadowNode:
                 "shadow": self.name,
                 "iteration": self._applied,
                 "optimizer_step": self._optimizer_step,
+                "data_position": self._data_position,
                 "shard_keys": sorted(job.shard_keys),
             },
         )
@@ -1076,11 +1134,11 @@ class ShadowNode:
         nxt = window.next_iteration
         for iteration in range(nxt, min(epoch.confirmed_through, nxt + window.horizon - 1) + 1):
             entry = self._commits.get(iteration)
-            if entry is None or now - entry[1] < self.config.repair.grace:
+            if entry is None or now - entry.arrival < self.config.repair.grace:
                 continue
             pending = window.pending.get(iteration)
             if pending is None:
-                window.commit(entry[0])
+                window.commit(entry.record)
                 pending = window.pending[iteration]
             for bucket_id, gaps in pending.missing().items():
                 plan = repairs.due(iteration, bucket_id, gaps, now)
@@ -1105,7 +1163,7 @@ class ShadowNode:
                 return failure
             return None
         if nxt in self._commits:
-            waited = now - self._commits[nxt][1]
+            waited = now - self._commits[nxt].arrival
             if waited > 1.0 and window.pending.get(nxt) is not None and not window.pending[nxt].complete:
                 self._blocked = f"iteration {nxt}: owned buckets incomplete {waited:.1f}s after its commit"
         elif self._stash.get(nxt):

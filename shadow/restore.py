@@ -7,11 +7,14 @@ latest iteration all of them can serve (a shadow behind it is given time to
 reach it: the request's ``wait``), fetches the shards over the shadows'
 control port (``restore_request`` -> ``job_start``-shaped answer, see
 docs/shadow.md), and merges them, checking that every parameter of the model
-is covered exactly once.
+is covered exactly once. The merged state's ``data_position`` is the workers'
+data position after the restored iteration (what they set with
+``CheckmateAgent.set_data_position``), or None when no shadow knows it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import time
@@ -64,6 +67,26 @@ def fetch_shard(
     return reply
 
 
+def _data_position(shards: Sequence[JobStart]) -> Any:
+    """The data position the shards' shadows hold for their iteration (None: unknown or disputed).
+
+    Every shadow is told the same position with the iteration's commit record; one
+    may not know it (resumed from an older snapshot, or it refused a bad one), so the
+    others' is taken. Shadows that disagree are a bug somewhere: no position is
+    better than a wrong one.
+    """
+    known = {
+        json.dumps(p, sort_keys=True): p
+        for p in (s.extra.get("data_position") for s in shards)
+        if p is not None
+    }
+    if len(known) > 1:
+        holders = {str(s.extra.get("shadow", "?")): s.extra.get("data_position") for s in shards}
+        logger.warning("shadows disagree on the data position, restoring none: %s", holders)
+        return None
+    return next(iter(known.values()), None)
+
+
 def merge_shards(shards: Sequence[JobStart]) -> dict[str, Any]:
     """One state from shards of the same iteration; every parameter covered exactly once."""
     if not shards:
@@ -107,7 +130,7 @@ def merge_shards(shards: Sequence[JobStart]) -> dict[str, Any]:
         "job_id": first.job_id,
         "iteration": first.start_iteration - 1,
         "optimizer_step": max(int(s.extra.get("optimizer_step", 0)) for s in shards),
-        "data_position": first.extra.get("data_position"),
+        "data_position": _data_position(shards),
         "parameters": {p.name: parameters[p.name] for p in first.parameters},
         "optimizer_state": states,
         "optimizer": first.optimizer,
@@ -116,7 +139,7 @@ def merge_shards(shards: Sequence[JobStart]) -> dict[str, Any]:
 
 
 def fetch_state(addresses: Sequence[Addr], timeout: float = 10.0, job_id: int = 0) -> dict[str, Any]:
-    """The latest state every shadow can serve, merged: parameters, optimizer state, iteration, step.
+    """The latest state every shadow can serve, merged: parameters, optimizer state, step, data position.
 
     ``addresses`` are the shadows' control (TCP) addresses. Raises
     :class:`RestoreError` if the shadows cannot agree on an iteration within

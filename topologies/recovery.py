@@ -67,6 +67,8 @@ class RestoredState:
     optimizer_state: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Parameter name -> its optimizer state (``exp_avg``, ``step``, ...)."""
     optimizer_step: int = 0
+    data_position: Any = None
+    """Where to resume the data after ``iteration`` (``agent.set_data_position``); None: the iteration."""
     detail: str = ""
     """Where exactly it came from (shadow names, snapshot directory)."""
 
@@ -119,6 +121,7 @@ def from_shadows(shadows: Mapping[str, Addr], timeout: float, job_id: int = 0) -
         parameters=dict(state["parameters"]),
         optimizer_state={n: dict(s) for n, s in state["optimizer_state"].items()},
         optimizer_step=int(state.get("optimizer_step") or 0),
+        data_position=state.get("data_position"),
         detail=", ".join(f"{name}@{it}" for name, it in sorted(state["shadows"].items())),
     )
 
@@ -141,6 +144,7 @@ def from_snapshots(directory: Path) -> RestoredState:
         parameters=parameters,
         optimizer_state=states,
         optimizer_step=int(extra.get("optimizer_step", 0) or 0),
+        data_position=extra.get("data_position"),
         detail=str(reader.directory),
     )
 
@@ -191,6 +195,7 @@ def fetch_iteration(
         parameters=dict(state["parameters"]),
         optimizer_state={n: dict(s) for n, s in state["optimizer_state"].items()},
         optimizer_step=int(state.get("optimizer_step") or 0),
+        data_position=state.get("data_position"),
         detail=", ".join(names),
     )
 

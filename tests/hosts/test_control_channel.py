@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from checkmate.control import (
+    MAX_DATA_POSITION_BYTES,
     BucketLayout,
     BucketSpec,
     Commit,
@@ -19,6 +21,7 @@ from checkmate.control import (
     decode_message,
     encode_message,
     recv_message,
+    validate_data_position,
 )
 from hosts.control_channel import ControlChannel, ControlConfig
 from tests.hosts.fake_shadow import FakeShadow
@@ -80,6 +83,62 @@ def test_malformed_frames_raise_control_protocol_error() -> None:
         a.sendall(b"XXXX" + bytes(12))
         with pytest.raises(ControlProtocolError):
             recv_message(b, timeout=1.0)
+
+
+def _frame_json(message: object) -> dict[str, object]:
+    parts = encode_message(message)  # type: ignore[arg-type]
+    return json.loads(bytes(parts[1]))
+
+
+def test_commit_data_position_round_trips_and_is_absent_when_unset() -> None:
+    position = {"epoch": 2, "batch": 117, "sampler": {"seed": 7, "offsets": [0, 3, 9]}, "name": "shard-ü"}
+    commit = Commit(3, 8, [0.1], optimizer_step=9, data_position=position)
+    assert _frame_json(commit)["data_position"] == position
+    got = _roundtrip(commit)
+    assert isinstance(got, Commit) and got == commit and got.data_position == position
+    for scalar in (0, 117, "epoch-2/batch-117", [2, 117], 1.5, False):
+        assert decode_message(bytes(encode_message(Commit(3, 8, [0.1], data_position=scalar))[1])) == Commit(
+            3, 8, [0.1], data_position=scalar
+        )
+
+    plain = Commit(3, 9, [0.1], optimizer_step=10)
+    assert "data_position" not in _frame_json(plain)  # what an older shadow reads, unchanged
+    got = _roundtrip(plain)
+    assert isinstance(got, Commit) and got.data_position is None and got == plain
+    # a commit from an older agent (no field) decodes as "unchanged"
+    old = b'{"type":"commit","job_id":3,"iteration":4,"learning_rates":[0.1],"optimizer_step":5}'
+    decoded = decode_message(old)
+    assert isinstance(decoded, Commit) and decoded.data_position is None and decoded.optimizer_step == 5
+
+
+def test_data_position_validation_names_the_problem() -> None:
+    source = {"epoch": 1, "order": (3, 1, 2), 5: "five"}
+    copy = validate_data_position(source)
+    assert copy == {"epoch": 1, "order": [3, 1, 2], "5": "five"}  # as JSON gives it back
+    source["epoch"] = 99
+    assert copy["epoch"] == 1  # a private copy: later changes do not travel
+    biggest = "x" * (MAX_DATA_POSITION_BYTES - 2)  # plus the two quotes: exactly the limit
+    assert validate_data_position(biggest) == biggest
+
+    circular: list[object] = []
+    circular.append(circular)
+    bad = [
+        (None, "cannot be None"),
+        ({"loss": float("nan")}, "not JSON-serialisable"),
+        ([float("inf")], "not JSON-serialisable"),
+        ({1, 2}, "not JSON-serialisable"),
+        ({"sampler": object()}, "not JSON-serialisable"),
+        (torch.tensor([1]), "not JSON-serialisable"),
+        (circular, "not JSON-serialisable"),
+        ("x" * (MAX_DATA_POSITION_BYTES - 1), f"is {MAX_DATA_POSITION_BYTES + 1} bytes as JSON"),
+        ("ü" * (MAX_DATA_POSITION_BYTES // 2), f"the limit is {MAX_DATA_POSITION_BYTES} bytes"),  # UTF-8
+    ]
+    for value, says in bad:
+        with pytest.raises(ValueError, match=says):
+            validate_data_position(value)
+    # encoding a commit whose position is not JSON fails as a protocol error, not a crash
+    with pytest.raises(ControlProtocolError, match="not JSON-serialisable"):
+        encode_message(Commit(3, 8, [0.1], data_position={"sampler": object()}))
 
 
 def _state(start: int) -> list[object]:

@@ -14,7 +14,10 @@ Checkmate adds one line (``hosts.enable_checkmate``, configured from
 certified state — from the shadows' memory, or when they do not answer from
 their snapshot directory (``--snapshot-dir``) — and hands it to every rank;
 training continues at the certified iteration + 1 with that iteration's
-batches (:mod:`topologies.recovery`).
+batches (:mod:`topologies.recovery`). The batch cursor (the index of the next
+batch) is the data position every iteration tells the shadows
+(``agent.set_data_position``); a restore that carries it resumes there, one
+without it at the restored iteration + 1 (the same here).
 
 The log (``--log``, ``{rank}`` is replaced; appended to, so a restarted job
 adds to it) holds JSON lines: ``{"event": "start", ...}`` per start, one
@@ -253,6 +256,17 @@ def _restore(args: argparse.Namespace, rank: int) -> RestoredState | None:
     return box[0]
 
 
+def resume_cursor(restored: RestoredState | None) -> int:
+    """The first batch to train on: the restored data position's ``batch``, else the next iteration."""
+    if restored is None:
+        return 0
+    # The shadows' data position after the restored iteration, where the restore passes it on.
+    position = restored.data_position
+    if isinstance(position, dict) and type(position.get("batch")) is int and position["batch"] >= 0:
+        return int(position["batch"])
+    return restored.next_iteration
+
+
 def settle_buckets(model: DistributedDataParallel, inputs: torch.Tensor, targets: torch.Tensor) -> None:
     """One forward and backward pass without an optimizer step, so DDP's gradient buckets are final.
 
@@ -284,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         restored = _restore(args, rank) if args.resume else None
         start = restored.next_iteration if restored is not None else 0
+        cursor = resume_cursor(restored)  # the next batch (== start unless a data position says otherwise)
         log.write(
             event="start",
             rank=rank,
@@ -316,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.info("model ready (restored: %s)", restored.iteration if restored is not None else None)
         settle_buckets(
             model,
-            *batch_for(corpus, config.seed, start, rank, world, config.global_batch, config.model.context),
+            *batch_for(corpus, config.seed, cursor, rank, world, config.global_batch, config.model.context),
         )
         logger.info("buckets settled")
         agent = None
@@ -327,6 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 optimizer,
                 start_iteration=start,
                 optimizer_step=restored.optimizer_step if restored is not None else 0,
+                data_position={"batch": cursor},
             )
 
         checkpointer = BaselineCheckpointer(
@@ -337,12 +353,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             for group in optimizer.param_groups:
                 group["lr"] = cosine_lr(iteration, config.iterations, config.peak_lr, config.warmup)
             inputs, targets = batch_for(
-                corpus, config.seed, iteration, rank, world, config.global_batch, config.model.context
+                corpus, config.seed, cursor, rank, world, config.global_batch, config.model.context
             )
             loss = loss_of(model, inputs, targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             hosts.clip_grad_norm_(model.parameters(), config.max_norm)
+            cursor += 1  # the data position after this iteration: where a restore of it resumes
+            if agent is not None:
+                agent.set_data_position({"batch": cursor})  # before the step: sent with its commit
             optimizer.step()
             checkpointer.after_step(iteration)
             certified = None
