@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from typing import Any
 
 import pytest
 import torch
 
-from checkmate.control import BucketLayout, Commit, JobStart
+from checkmate.control import BucketLayout, Commit, Goodbye, JobStart
 from tests.hosts.fake_shadow import FakeShadow
 from tests.hosts.harness import run_ranks
 
@@ -152,3 +153,44 @@ def test_ddp_hook_matches_gloo_bit_for_bit_and_reports_to_shadow(kind: str) -> N
     if kind == "adam":
         stats = [r["ours"]["stats"]["transport"] for r in results]
         assert sum(v for t in stats for k, v in t.items() if k.startswith("retransmit")) > 0, stats
+
+
+def _shadow_comes_back_before_close(rank: int, world: int, store: str, port: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hosts
+
+    env = {"CHECKMATE_JOB_ID": "13", "CHECKMATE_SHADOWS": f"shadow0=127.0.0.32:{port}"}
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    ddp = DDP(Net())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    agent = hosts.enable_checkmate(ddp, opt)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):  # the shadow is down the whole time: nothing can reach it
+        loss = ddp(torch.randn(8, 16, generator=g)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    shadow = FakeShadow(("127.0.0.32", port)) if rank == 0 else None  # it restarts before the job ends
+    agent.close(timeout=10.0)
+    if shadow is not None:
+        shadow.close()
+    final = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    dist.destroy_process_group()
+    return {"final": final, "messages": shadow.messages if shadow is not None else []}
+
+
+def test_a_shadow_that_rejoins_before_close_gets_the_final_state() -> None:
+    with socket.socket() as probe:  # a free port, nobody listening during training
+        probe.bind(("127.0.0.32", 0))
+        port = probe.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        r0, _ = run_ranks(_shadow_comes_back_before_close, 2, f"{tmp}/store", port, timeout=90)
+    starts = [m for m in r0["messages"] if isinstance(m, JobStart)]
+    assert len(starts) == 1 and starts[0].start_iteration == 3, r0["messages"]
+    for name, value in r0["final"].items():
+        assert torch.equal(starts[0].tensors[f"param/{name}"], value), name
+    assert isinstance(r0["messages"][-1], Goodbye)
