@@ -5,6 +5,7 @@
 #   make p4      compile p4src/ with p4c (BMv2) into build/ when p4c is installed
 #   make lint    ruff + mypy
 #   make bench   the checkpointing systems side by side (root; results/bench.json, docs/benchmarks.md)
+#   make bench-switch / bench-hosts / bench-shadow   component benchmarks (switch and hosts need root)
 #   make reliability / make soak   the reliability suite (quick / with soak cases) -> docs/reliability.md
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -15,14 +16,17 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.checkmate-setup
 APT_PACKAGES := mininet ethtool iproute2 iputils-ping tcpdump
 TORCH_VERSION := 2.13.0
+# Where pip finds torch. Empty: pip's configured indexes. On a machine without a local CPU
+# wheel, TORCH_INDEX=https://download.pytorch.org/whl/cpu avoids the multi-GB CUDA build.
+TORCH_INDEX ?=
 BUILD := build
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: help setup system-packages test demo p4 lint bench bench-switch reliability soak clean
+.PHONY: help setup system-packages test demo p4 lint bench bench-switch bench-hosts bench-shadow reliability soak clean
 
 help:
-	@sed -n '1,8p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '1,9p' Makefile | sed 's/^# \{0,1\}//'
 
 setup: system-packages $(STAMP)
 
@@ -42,7 +46,7 @@ system-packages:
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==$(TORCH_VERSION) numpy
+	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple) torch==$(TORCH_VERSION) numpy
 	$(PY) -m pip install -q -e '.[dev]'
 	@# Debian's Mininet lives in the system dist-packages: link that one package into .venv (idempotent).
 	@$(PY) -m topologies.mininet_import --link
@@ -83,6 +87,17 @@ bench: setup
 bench-switch: setup
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench-switch: needs root (network namespaces)"; exit 1; fi
 	$(PY) -m embedded_switch.benchmark $(BENCH_ARGS)
+
+bench-hosts: setup
+	@if [ "$$(id -u)" != 0 ]; then \
+	  echo "make bench-hosts: needs root (the emulated network: namespaces, veth pairs, a software switch)"; \
+	  exit 1; \
+	fi
+	$(PY) -m hosts.benchmark $(BENCH_ARGS)
+	$(PY) -m hosts.benchmark --network topologies/single.json $(BENCH_ARGS)
+
+bench-shadow: setup
+	$(PY) -m shadow.benchmark --json results/shadow_bench.json $(BENCH_ARGS)
 
 RELIABILITY_ROWS := results/reliability-rows.jsonl
 
