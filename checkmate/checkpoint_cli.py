@@ -11,6 +11,7 @@ from pathlib import Path
 from checkmate import checkpoint_format as fmt
 from checkmate.checkpoint_export import export_dcp, export_deepspeed_universal, export_safetensors, reshard
 from checkmate.checkpoint_format import CheckpointError, CheckpointReader
+from checkmate.checkpoint_load import data_position
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "complete_steps": fmt.complete_steps(reader.root),
         "latest": fmt.read_latest(reader.root),
         "optimizer": reader.global_state.get("optimizer", {}).get("kind"),
+        "data_position": data_position(reader),
         "shards": [
             {"shard": m["shard"], "file": m["file"], "tensors": len(m["entries"])} for m in reader.manifests
         ],
@@ -37,6 +39,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     print(f"checkpoint {reader.directory}  step {reader.step}  optimizer {summary['optimizer']}")
     print(f"complete steps: {summary['complete_steps']}  latest: {summary['latest']}")
+    if summary["data_position"] is not None:
+        print(f"data position after step {reader.step}: {json.dumps(summary['data_position'])}")
     for shard in summary["shards"]:
         print(f"  shard {shard['shard']}: {shard['file']} ({shard['tensors']} tensors)")
     for name, meta in summary["parameters"].items():

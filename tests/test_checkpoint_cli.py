@@ -24,6 +24,7 @@ def root(tmp_path: Path) -> Path:
         2,
         {"a.weight": ([3, 2], "torch.float32"), "b.bias": ([4], "torch.float32")},
         {"kind": "Adam", "param_groups": [{"lr": 0.1, "params": ["a.weight", "b.bias"]}]},
+        extra={"data_position": {"epoch": 1, "batch": 3}},
     )
     fmt.write_shard(root, 2, 0, 2, {"a.weight": states["a.weight"]})
     fmt.write_shard(root, 2, 1, 2, {"b.bias": states["b.bias"]})
@@ -35,6 +36,11 @@ def test_inspect_and_verify(root: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(["inspect", str(root), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["step"] == 2 and summary["parameters"]["b.bias"]["states"] == ["exp_avg", "param", "step"]
+    assert summary["data_position"] == {"epoch": 1, "batch": 3}
+    assert main(["inspect", str(root)]) == 0
+    prefix = "data position after step 2: "
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith(prefix)]
+    assert json.loads(line.partition(": ")[2]) == {"epoch": 1, "batch": 3}
     assert main(["verify", str(root)]) == 0
     assert "all checksums match" in capsys.readouterr().out
 
