@@ -452,14 +452,16 @@ class CheckmateAgent:
         future = self.ring.allreduce_async(self.iteration, index, buffer, ReduceOp.AVG)
         if bucket.is_last():
             self._end_of_iteration()
-        if buffer.device.type != "cpu":
-            device = buffer.device
+        # Always hand DDP a chained future: a failed all-reduce stores its exception as the
+        # Python future's value, which DDP's C++ side would report as "Unable to cast ... to
+        # Tensor"; raised inside a then() callback it becomes a proper error with our message.
+        device = buffer.device
 
-            def to_device(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-                return fut.value().to(device)
+        def result(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            value = fut.value()  # raises the CollectiveError / PeerTimeoutError of a failed ring
+            return value if device.type == "cpu" else value.to(device)  # CUDA: back from host memory
 
-            return future.then(to_device)
-        return future
+        return future.then(result)
 
     def _end_of_iteration(self) -> None:
         layout = [self._bucket_layout[i] for i in sorted(self._bucket_layout)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 from typing import Any
 
 import pytest
@@ -194,3 +195,41 @@ def test_a_shadow_that_rejoins_before_close_gets_the_final_state() -> None:
     for name, value in r0["final"].items():
         assert torch.equal(starts[0].tensors[f"param/{name}"], value), name
     assert isinstance(r0["messages"][-1], Goodbye)
+
+
+def _peer_dies_mid_training(rank: int, world: int, store: str) -> str:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hosts
+
+    env = {"CHECKMATE_JOB_ID": "14", "CHECKMATE_PEER_TIMEOUT": "2", "CHECKMATE_TIMEOUT": "20"}
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    ddp = DDP(Net())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    agent = hosts.enable_checkmate(ddp, opt)
+    for step in range(3):
+        if rank == 1 and step == 2:  # rank 1 goes silent: its agent stops answering
+            agent.ring.close()
+            agent.transport.close()
+            time.sleep(10)
+            return "silent"
+        loss = ddp(torch.randn(8, 16)).square().mean()
+        opt.zero_grad()
+        try:
+            loss.backward()
+        except RuntimeError as exc:
+            return str(exc)
+        opt.step()
+    return "no error"
+
+
+def test_a_dead_peer_fails_backward_with_a_clear_error() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.monotonic()
+        error, _ = run_ranks(_peer_dies_mid_training, 2, f"{tmp}/store", timeout=60)
+        took = time.monotonic() - started
+    assert "PeerTimeoutError: job 14: peer rank 1 at 127.0.0.11:48879 is not responding" in error, error
+    assert "Unable to cast" not in error
+    assert took < 30, f"backward took {took:.0f}s to fail; the peer timeout is 2s"
