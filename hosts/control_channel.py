@@ -220,6 +220,7 @@ class ControlChannel:
 
     def __init__(self, job_id: int, shadows: Mapping[str, Addr], config: ControlConfig | None = None) -> None:
         self.config = config or ControlConfig()
+        self.job_id = job_id
         self.certified: dict[str, int] = {}
         self._lock = threading.Condition()
         self.links = [ShadowLink(n, a, self.config, job_id, self._on_certified) for n, a in shadows.items()]
@@ -269,6 +270,31 @@ class ControlChannel:
         for link in waiting:
             link.post_state(messages)
         return len(waiting)
+
+    def set_shadows(self, shadows: Mapping[str, Addr], timeout: float = 2.0) -> tuple[list[str], list[str]]:
+        """Follow a new set of shadows (a shard moved): ``(added, removed)`` names.
+
+        Links to shadows no longer named, or at another address, say goodbye and close in the
+        background; links to new shadows open and, like any new link, wait for the state
+        (:meth:`post_state`). Links that stay are untouched.
+        """
+        keep = [link for link in self.links if shadows.get(link.name) == link.address]
+        leaving = [link for link in self.links if link not in keep]
+        kept = {link.name for link in keep}
+        new = [
+            ShadowLink(name, address, self.config, self.job_id, self._on_certified)
+            for name, address in shadows.items()
+            if name not in kept
+        ]
+        with self._lock:
+            self.links = keep + new
+            for link in leaving:
+                self.certified.pop(link.name, None)
+        for link in leaving:
+            threading.Thread(
+                target=link.close, args=(timeout,), name=f"cm-ctl-close-{link.name}", daemon=True
+            ).start()
+        return [link.name for link in new], [link.name for link in leaving]
 
     def flush(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

@@ -103,6 +103,10 @@ class CheckmateConfig:
     are named by the job's iteration numbers, so a restart must keep them)."""
     optimizer_step: int = 0
     """Optimizer steps taken before ``start_iteration`` (the restored state's step count)."""
+    job_file: str | None = None
+    """The ``CHECKMATE_JOB_FILE`` this came from. Rank 0 re-reads it when it changes and follows a
+    new shard map (``checkmate-ctl shadow move``): links to shadows that left close, links to new
+    ones open and get the current state. A change of job id or workers needs a restart."""
 
     def __post_init__(self) -> None:
         if self.start_iteration < 0 or self.optimizer_step < 0:
@@ -153,22 +157,14 @@ class CheckmateConfig:
         workers: tuple[Addr, ...] | None = None
         shadows: dict[str, Addr] = {}
         job_id = int(env.get("CHECKMATE_JOB_ID", "1"))
-        if "CHECKMATE_JOB_FILE" in env:
-            path = env["CHECKMATE_JOB_FILE"]
-            try:
-                with open(path, encoding="utf-8") as f:
-                    data = json.load(f)
-            except (OSError, json.JSONDecodeError) as exc:
-                raise CheckmateConfigError(f"cannot read CHECKMATE_JOB_FILE {path}: {exc}") from None
-            job = JobSpec.from_json(data["job"])
+        job_file = env.get("CHECKMATE_JOB_FILE")
+        if job_file is not None:
+            job, workers, shadows = read_job_file(job_file)
             job_id = job.job_id
-            addresses = data.get("worker_addresses", list(job.workers))
-            workers = tuple(resolve(a) for a in addresses)
-            shadows = {
-                name: resolve(a, DEFAULT_CONTROL_PORT) for name, a in data.get("shadow_control", {}).items()
-            }
             if len(workers) != world:
-                raise CheckmateConfigError(f"{path} lists {len(workers)} workers but WORLD_SIZE is {world}")
+                raise CheckmateConfigError(
+                    f"{job_file} lists {len(workers)} workers but WORLD_SIZE is {world}"
+                )
         for i, item in enumerate(filter(None, env.get("CHECKMATE_SHADOWS", "").split(","))):
             name, _, address = item.rpartition("=")
             shadows[name or f"shadow{i}"] = resolve(address, DEFAULT_CONTROL_PORT)
@@ -206,10 +202,42 @@ class CheckmateConfig:
             replication=_replication_mode(env.get("CHECKMATE_REPLICATION", "switch")),
             start_iteration=_int_env(env, "CHECKMATE_START_ITERATION", 0),
             optimizer_step=_int_env(env, "CHECKMATE_OPTIMIZER_STEP", 0),
+            job_file=job_file,
         )
 
 
+def read_job_file(path: str) -> tuple[JobSpec, tuple[Addr, ...], dict[str, Addr]]:
+    """``CHECKMATE_JOB_FILE``: (job, worker data addresses in ring order, shadow control addresses).
+
+    Raises CheckmateConfigError naming the file and the problem.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+        job = JobSpec.from_json(data["job"])
+        workers = tuple(resolve(a) for a in data.get("worker_addresses", list(job.workers)))
+        shadows = {
+            str(name): resolve(a, DEFAULT_CONTROL_PORT) for name, a in data.get("shadow_control", {}).items()
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckmateConfigError(f"cannot read CHECKMATE_JOB_FILE {path}: {exc}") from None
+    return job, workers, shadows
+
+
 REPLICATION_MODES = ("switch", "host")
+
+
+def _file_stamp(path: str | None) -> tuple[int, int, int] | None:
+    """(inode, size, mtime) of ``path``, or None: cheap enough to look at once per iteration."""
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _replication_mode(mode: str) -> str:
@@ -309,11 +337,13 @@ class CheckmateAgent:
                 job_id=config.job_id,
                 rank=config.rank,
                 workers=workers,
-                shard_key_for_bucket=config.shard_key_for_bucket,
+                shard_key_for_bucket=lambda bucket: self.config.shard_key_for_bucket(bucket),
                 timeout=config.timeout,
                 keep_iterations=config.keep_iterations,
                 host_replica=(
-                    config.shadow_data_address if _replication_mode(config.replication) == "host" else None
+                    (lambda key: self.config.shadow_data_address(key))
+                    if _replication_mode(config.replication) == "host"
+                    else None
                 ),
             ),
         )
@@ -331,6 +361,7 @@ class CheckmateAgent:
         """The data position after the last committed iteration (None: unknown)."""
         self.commits: list[Commit] = []
         """Commit records made on this rank (rank 0), for inspection."""
+        self._job_file_stamp = _file_stamp(config.job_file)
         self.channel: ControlChannel | None = None
         if self.rank == 0 and config.shadow_control:
             self.channel = ControlChannel(
@@ -491,9 +522,54 @@ class CheckmateAgent:
             return
         iteration = self._uncommitted
         self._commit(iteration, skipped=False)
+        if self.rank == 0:
+            self._follow_job_file()
         if self.channel is not None and self.channel.needs_state():
             self.channel.post_state(lambda: self._state_messages(iteration + 1))
         self.ring.release_through(iteration - self.config.keep_iterations)
+
+    def _follow_job_file(self) -> None:
+        """Rank 0, after each step: if the job file changed, follow its shadows (a live shadow move)."""
+        path = self.config.job_file
+        stamp = _file_stamp(path)
+        if path is None or stamp is None or stamp == self._job_file_stamp:
+            return
+        self._job_file_stamp = stamp
+        try:
+            job, workers, shadows = read_job_file(path)
+        except CheckmateConfigError as exc:
+            logger.warning("checkmate: %s; keeping the current shadows", exc)
+            return
+        if job.job_id != self.config.job_id or workers != self.workers:
+            logger.warning(
+                "checkmate: %s now names job %d with workers %s; a new job or other workers need a "
+                "restart: keeping job %d's shadows",
+                path,
+                job.job_id,
+                [f"{h}:{p}" for h, p in workers],
+                self.config.job_id,
+            )
+            return
+        if job == self.config.job and shadows == dict(self.config.shadow_control):
+            return
+        self.config = dataclasses.replace(self.config, job=job, shadow_control=shadows)
+        if self.channel is None:
+            if shadows:
+                self.channel = ControlChannel(
+                    self.config.job_id,
+                    shadows,
+                    ControlConfig(connect_timeout=self.config.shadow_connect_timeout),
+                )
+        else:
+            added, removed = self.channel.set_shadows(shadows)
+            logger.info(
+                "checkmate: %s changed: shadows now %s (new: %s, left: %s); new ones get the state "
+                "after the next step",
+                path,
+                sorted(shadows),
+                added or "none",
+                removed or "none",
+            )
 
     def _final_state_to_rejoining_shadows(self, channel: ControlChannel, timeout: float) -> None:
         """At close: a shadow whose link is down or waiting for state (it restarted) gets the final state.

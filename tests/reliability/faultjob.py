@@ -448,8 +448,8 @@ class FaultJob(DemoRun):
     def _do_move_shadow(self, action: Action, record: dict[str, Any]) -> None:
         """Shard ``args[0]`` to a new shadow in host ``target``, named after it: the new shadow starts,
         ``checkmate-ctl shadow move`` re-addresses the switch's copies, the job file names the new
-        shadow. The workers hold between iterations meanwhile; they connect to the new shadow at
-        their next start (the old one keeps certifying for the running workers, by repair)."""
+        shadow. The workers hold between iterations meanwhile; rank 0 sees the changed job file
+        after its next step, re-seeds the new shadow and says goodbye to the old one."""
         self.gate.touch()
         record["held_at"] = time.time()
         try:

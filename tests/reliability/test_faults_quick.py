@@ -103,6 +103,6 @@ def test_shadow_moved_to_another_host(tmp_path: Path, reliability: Recorder) -> 
         trials=1,
         lost=0,
         held=summarize([verdict])
-        + "; the old shadow certified by repair until the workers' next start, the new one after",
+        + "; rank 0 followed the rewritten job file: the new shadow re-seeded live, the old one left",
         recovery_s=worst_recovery([verdict]),
     )
