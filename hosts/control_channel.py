@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from checkmate.control import (
@@ -230,28 +230,35 @@ class ControlChannel:
             self.certified[name] = max(self.certified.get(name, -1), message.iteration)
             self._lock.notify_all()
 
+    def _certified_locked(self) -> int | None:
+        """The last iteration every current link's shadow has certified (a shadow that left,
+        whose late replies may still arrive, does not count), or None."""
+        values = [self.certified.get(link.name) for link in self.links]
+        if not values or any(v is None for v in values):
+            return None
+        return min(v for v in values if v is not None)
+
     def certified_through(self) -> int | None:
         """The last iteration every shadow has certified, or None."""
         with self._lock:
-            if len(self.certified) < len(self.links):
-                return None
-            return min(self.certified.values())
+            return self._certified_locked()
 
     def wait_certified(self, iteration: int, timeout: float) -> bool:
         """Wait (at most ``timeout``) until every shadow has certified ``iteration``."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            while len(self.certified) < len(self.links) or min(self.certified.values()) < iteration:
+            while (through := self._certified_locked()) is None or through < iteration:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._lock.wait(left)
             return True
 
-    def wait_connected(self, timeout: float) -> int:
-        """Wait (at most ``timeout`` in all) for the links to connect; how many did."""
+    def wait_connected(self, timeout: float, names: Collection[str] | None = None) -> int:
+        """Wait (at most ``timeout`` in all) for the links (those of ``names``) to connect; how many did."""
         deadline = time.monotonic() + timeout
-        return sum(link.wait_connected(max(0.0, deadline - time.monotonic())) for link in self.links)
+        links = [link for link in self.links if names is None or link.name in names]
+        return sum(link.wait_connected(max(0.0, deadline - time.monotonic())) for link in links)
 
     def needs_state(self) -> bool:
         return any(link.needs_state for link in self.links)

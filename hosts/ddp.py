@@ -560,8 +560,11 @@ class CheckmateAgent:
                     shadows,
                     ControlConfig(connect_timeout=self.config.shadow_connect_timeout),
                 )
+                self.channel.wait_connected(self.config.shadow_connect_timeout)
         else:
             added, removed = self.channel.set_shadows(shadows)
+            # Like at start: give new shadows a moment to connect, so they get this step's state.
+            self.channel.wait_connected(self.config.shadow_connect_timeout, names=added)
             logger.info(
                 "checkmate: %s changed: shadows now %s (new: %s, left: %s); new ones get the state "
                 "after the next step",

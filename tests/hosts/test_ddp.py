@@ -299,7 +299,7 @@ def test_rank0_follows_a_shadow_move_in_the_job_file_without_a_restart(tmp_path:
     finally:
         old.close()
         new.close()
-    assert r0["certified"], "the new shadow did not certify the last iteration"
+    assert r0["certified"], f"the new shadow did not certify the last iteration: {new.messages[-3:]}"
     old_commits = [m.iteration for m in old.messages if isinstance(m, Commit)]
     assert old_commits == [0, 1, 2] and isinstance(old.messages[-1], Goodbye), old.messages
     starts = [m for m in new.messages if isinstance(m, JobStart)]
