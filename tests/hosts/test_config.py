@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from hosts.ddp import CheckmateConfig, CheckmateConfigError
+from hosts.ddp import CheckmateConfig, CheckmateConfigError, read_job_file
 
 ENV = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
 
@@ -31,3 +33,21 @@ def test_start_iteration_and_optimizer_step_from_the_environment() -> None:
 def test_bad_start_values_are_refused_by_name(name: str, value: str, message: str) -> None:
     with pytest.raises(CheckmateConfigError, match=message):
         CheckmateConfig.from_env({**ENV, name: value})
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("{not json", "Expecting property name"),
+        ("[1, 2]", "expected a JSON object, got list"),
+        ('{"worker_addresses": []}', "'job'"),
+        ('{"job": {"job_id": 0, "workers": ["h1", "h2"], "shadows": ["sh1"]}}', "job_id 0 is outside"),
+    ],
+)
+def test_a_bad_job_file_is_refused_naming_the_file(tmp_path: Path, content: str, problem: str) -> None:
+    path = tmp_path / "job.json"
+    path.write_text(content)
+    with pytest.raises(CheckmateConfigError, match=f"cannot read CHECKMATE_JOB_FILE {path}: .*{problem}"):
+        read_job_file(str(path))
+    with pytest.raises(CheckmateConfigError, match="cannot read CHECKMATE_JOB_FILE"):
+        read_job_file(str(tmp_path / "missing.json"))
