@@ -16,8 +16,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.checkmate-setup
 APT_PACKAGES := mininet ethtool iproute2 iputils-ping tcpdump
 TORCH_VERSION := 2.13.0
-# Where pip finds torch. Empty: pip's configured indexes. On a machine without a local CPU
-# wheel, TORCH_INDEX=https://download.pytorch.org/whl/cpu avoids the multi-GB CUDA build.
+# Where pip finds torch. Empty: pip's configured indexes only. TORCH_INDEX=<url> adds a
+# package index of your choice (e.g. PyTorch's CPU wheel index) before them, so a machine
+# without a local CPU wheel need not download the multi-GB CUDA build.
 TORCH_INDEX ?=
 BUILD := build
 PYTEST_ARGS ?=
@@ -46,7 +47,7 @@ system-packages:
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple) torch==$(TORCH_VERSION) numpy
+	$(PY) -m pip install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch==$(TORCH_VERSION) numpy
 	$(PY) -m pip install -q -e '.[dev]'
 	@# Debian's Mininet lives in the system dist-packages: link that one package into .venv (idempotent).
 	@$(PY) -m topologies.mininet_import --link
