@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from p4.config.v1 import p4info_pb2
+from p4.v1 import p4runtime_pb2
 
+from controller.errors import ControllerError, SwitchRpcError
 from controller.p4info_names import load_p4info
 from controller.switch_connection import PIPELINE_TIMEOUT_S, SwitchConnection
 
@@ -76,10 +78,52 @@ def pack_tofino_config(program: str, tofino_bin: bytes, context_json: bytes) -> 
     return b"".join(parts)
 
 
+def delete_multicast_groups(connection: SwitchConnection) -> int:
+    """Delete every multicast group the switch reports; return how many were deleted.
+
+    BMv2 (simple_switch_grpc 1.15.5 with PI) keeps the replicas of the groups that
+    existed before a SetForwardingPipelineConfig in its data plane, while reads say
+    the groups are gone: after N pushes a replicated frame came out N+1 times. So
+    every push is preceded by this (docs/controller.md). A switch that runs no
+    pipeline yet (a fresh process) has no groups: 0. ControllerError if the
+    switch refuses a delete for any reason other than the group being gone already.
+    """
+    request = p4runtime_pb2.Entity()
+    request.packet_replication_engine_entry.multicast_group_entry.multicast_group_id = 0
+    try:
+        found = connection.read([request])
+    except SwitchRpcError as exc:
+        if exc.code_name in ("FAILED_PRECONDITION", "NOT_FOUND"):
+            return 0
+        raise
+    updates = []
+    for entity in found:
+        if not entity.packet_replication_engine_entry.HasField("multicast_group_entry"):
+            continue
+        update = p4runtime_pb2.Update(type=p4runtime_pb2.Update.DELETE)
+        group_id = entity.packet_replication_engine_entry.multicast_group_entry.multicast_group_id
+        update.entity.packet_replication_engine_entry.multicast_group_entry.multicast_group_id = group_id
+        updates.append(update)
+    errors = [e for e in connection.write(updates) if e is not None and e.code_name != "NOT_FOUND"]
+    if errors:
+        raise ControllerError(
+            f"switch {connection.name}: deleting its multicast groups before a pipeline push failed "
+            f"({len(errors)} of {len(updates)}): " + "; ".join(str(e) for e in errors[:5])
+        )
+    if updates:
+        logger.info("switch %s: deleted %d multicast group(s) before the push", connection.name, len(updates))
+    return len(updates)
+
+
 def push_pipeline(
     connection: SwitchConnection, config: PipelineConfig, timeout: float = PIPELINE_TIMEOUT_S
 ) -> None:
-    """SetForwardingPipelineConfig(VERIFY_AND_COMMIT): the switch's entries are gone afterwards."""
+    """SetForwardingPipelineConfig(VERIFY_AND_COMMIT): the switch's entries are gone afterwards.
+
+    Its multicast groups are deleted first (:func:`delete_multicast_groups`), so no
+    replica of an old group survives the push in BMv2's data plane.
+    """
+    delete_multicast_groups(connection)
     logger.info(
         "switch %s: pushing the %s pipeline (%d tables, %d bytes of device config)",
         connection.name,

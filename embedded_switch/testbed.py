@@ -241,15 +241,17 @@ def switch_command(
         ]
     if kind == "bmv2":
         return [
+            # BMv2's own options (--device-id, -i, --no-p4) go before "--"; the target's
+            # (--grpc-server-addr, --cpu-port) after it, or simple_switch_grpc refuses them.
             "simple_switch_grpc",
             "--no-p4",
+            "--device-id",
+            "0",
             *bed.interface_args(),
             *extra,
             "--",
             "--grpc-server-addr",
             bed.grpc_address,
-            "--device-id",
-            "0",
             *cpu,
         ]
     raise ValueError(f"unknown switch kind {kind!r}")

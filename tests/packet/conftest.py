@@ -4,8 +4,10 @@
 embedded_switch.testbed, starts the target — ``checkmate-switch`` always,
 ``simple_switch_grpc`` when it and build/v1model/checkmate.json exist — on the
 switch ends, and opens raw sockets on the host ends. ``p4rt`` gives each test a
-fresh program state (the pipeline pushed again) with the entries and groups of
-tests/switch_cases.py installed over P4Runtime. Namespaces, processes and
+fresh program state (the switch's multicast groups deleted, then the pipeline
+pushed again: BMv2 keeps the replicas of groups that exist at a push, see
+docs/controller.md) with the entries and groups of tests/switch_cases.py
+installed over P4Runtime. Namespaces, processes and
 sockets are always removed, also when a test fails.
 """
 

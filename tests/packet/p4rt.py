@@ -1,15 +1,15 @@
 """A small P4Runtime client for packet tests that speaks only in P4Info names.
 
-Raw ``p4.v1`` stubs, no controller code: open a stream, win arbitration, push the
-pipeline, insert the entries and groups of tests/switch_cases.py, read counters.
-Every RPC carries a deadline.
+Raw ``p4.v1`` stubs, no controller code: open a stream, win arbitration, delete
+the switch's multicast groups and push the pipeline, insert the entries and groups
+of tests/switch_cases.py, read counters. Every RPC carries a deadline.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -50,8 +50,6 @@ class P4RuntimeTestClient:
         if reply.arbitration.status.code != 0:
             raise RuntimeError(f"not primary: {reply.arbitration.status}")
         self.p4info = load_p4info()
-        self._tables = {t.preamble.alias: t for t in self.p4info.tables}
-        self._actions = {a.preamble.alias: a for a in self.p4info.actions}
         self._counters = {c.preamble.alias: c for c in self.p4info.counters}
 
     def _requests(self) -> Iterator[p4runtime_pb2.StreamMessageRequest]:
@@ -78,8 +76,37 @@ class P4RuntimeTestClient:
         self.channel.close()
 
     # ---- pipeline -------------------------------------------------------------------------------------
+    def group_ids(self) -> list[int]:
+        """Ids of the multicast groups the switch reports (none when it runs no pipeline)."""
+        request = p4runtime_pb2.ReadRequest(device_id=self.device_id)
+        request.entities.add().packet_replication_engine_entry.multicast_group_entry.multicast_group_id = 0
+        try:
+            return [
+                e.packet_replication_engine_entry.multicast_group_entry.multicast_group_id
+                for response in self.stub.Read(request, timeout=RPC_TIMEOUT_S)
+                for e in response.entities
+            ]
+        except grpc.RpcError as error:
+            if error.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                return []
+            raise
+
+    def delete_groups(self) -> int:
+        """Delete every multicast group; how many there were. BMv2 keeps the replicas of
+        groups that exist at a pipeline push in its data plane (docs/controller.md)."""
+        ids = self.group_ids()
+        updates = []
+        for group_id in ids:
+            u = p4runtime_pb2.Update(type=p4runtime_pb2.Update.DELETE)
+            u.entity.packet_replication_engine_entry.multicast_group_entry.multicast_group_id = group_id
+            updates.append(u)
+        if updates:
+            self._write(*updates)
+        return len(ids)
+
     def push_pipeline(self, device_config: bytes = b"", p4info: p4info_pb2.P4Info | None = None) -> None:
-        """VERIFY_AND_COMMIT: a fresh program state (empty tables, zero counters)."""
+        """Delete the groups, then VERIFY_AND_COMMIT: a fresh program state (empty tables, zero counters)."""
+        self.delete_groups()
         request = p4runtime_pb2.SetForwardingPipelineConfigRequest(
             device_id=self.device_id,
             action=p4runtime_pb2.SetForwardingPipelineConfigRequest.VERIFY_AND_COMMIT,
@@ -96,39 +123,13 @@ class P4RuntimeTestClient:
         self.stub.Write(request, timeout=RPC_TIMEOUT_S)
 
     def table_entry(self, entry: Entry) -> p4runtime_pb2.TableEntry:
-        table = self._tables[entry.table]
-        action = self._actions[entry.action]
-        out = p4runtime_pb2.TableEntry(table_id=table.preamble.id)
-        for f in table.match_fields:
-            value = entry.match[f.name]
-            m = out.match.add(field_id=f.id)
-            if isinstance(value, tuple):
-                m.lpm.value, m.lpm.prefix_len = bytestring(value[0]), value[1]
-            else:
-                m.exact.value = bytestring(value)
-        out.action.action.action_id = action.preamble.id
-        for p in action.params:
-            out.action.action.params.add(param_id=p.id, value=bytestring(entry.params[p.name]))
-        return out
+        return table_entry(self.p4info, entry)
 
     def insert(self, *entries: Entry) -> None:
-        updates = []
-        for entry in entries:
-            u = p4runtime_pb2.Update(type=p4runtime_pb2.Update.INSERT)
-            u.entity.table_entry.CopyFrom(self.table_entry(entry))
-            updates.append(u)
-        self._write(*updates)
+        self._write(*entry_inserts(self.p4info, entries))
 
     def insert_group(self, *groups: Group) -> None:
-        updates = []
-        for g in groups:
-            u = p4runtime_pb2.Update(type=p4runtime_pb2.Update.INSERT)
-            group = u.entity.packet_replication_engine_entry.multicast_group_entry
-            group.multicast_group_id = g.group_id
-            for port, instance in g.replicas:
-                group.replicas.add(egress_port=port, instance=instance)
-            updates.append(u)
-        self._write(*updates)
+        self._write(*group_inserts(groups))
 
     # ---- reads ----------------------------------------------------------------------------------------
     def read_counter(self, name: str, index: int) -> tuple[int, int]:
@@ -148,6 +149,45 @@ class P4RuntimeTestClient:
         request = p4runtime_pb2.StreamMessageRequest()
         request.packet.payload = payload
         self._outbox.put(request)
+
+
+def table_entry(p4info: p4info_pb2.P4Info, entry: Entry) -> p4runtime_pb2.TableEntry:
+    """``entry`` (P4Info names) as a P4Runtime TableEntry."""
+    table = next(t for t in p4info.tables if t.preamble.alias == entry.table)
+    action = next(a for a in p4info.actions if a.preamble.alias == entry.action)
+    out = p4runtime_pb2.TableEntry(table_id=table.preamble.id)
+    for f in table.match_fields:
+        value = entry.match[f.name]
+        m = out.match.add(field_id=f.id)
+        if isinstance(value, tuple):
+            m.lpm.value, m.lpm.prefix_len = bytestring(value[0]), value[1]
+        else:
+            m.exact.value = bytestring(value)
+    out.action.action.action_id = action.preamble.id
+    for p in action.params:
+        out.action.action.params.add(param_id=p.id, value=bytestring(entry.params[p.name]))
+    return out
+
+
+def entry_inserts(p4info: p4info_pb2.P4Info, entries: Sequence[Entry]) -> list[p4runtime_pb2.Update]:
+    updates = []
+    for entry in entries:
+        u = p4runtime_pb2.Update(type=p4runtime_pb2.Update.INSERT)
+        u.entity.table_entry.CopyFrom(table_entry(p4info, entry))
+        updates.append(u)
+    return updates
+
+
+def group_inserts(groups: Sequence[Group]) -> list[p4runtime_pb2.Update]:
+    updates = []
+    for g in groups:
+        u = p4runtime_pb2.Update(type=p4runtime_pb2.Update.INSERT)
+        group = u.entity.packet_replication_engine_entry.multicast_group_entry
+        group.multicast_group_id = g.group_id
+        for port, instance in g.replicas:
+            group.replicas.add(egress_port=port, instance=instance)
+        updates.append(u)
+    return updates
 
 
 def device_config_for(kind: str, repo: Path) -> bytes:

@@ -1,7 +1,8 @@
-"""The switch as users run it: p4runtime-shell, fault injection, pcap files, clean shutdown.
+"""The switch as users run it: p4runtime-shell, repeated pushes, fault injection, pcap files, clean shutdown.
 
 p4runtime-shell (the client users have) programs the switch end to end on every
-target. The rest exercises options only ``checkmate-switch`` has (fault
+target, and the controller's push path re-programs it again and again without
+multiplying copies. The rest exercises options only ``checkmate-switch`` has (fault
 injection) or checks its process behaviour (SIGTERM, pcap, log file).
 """
 
@@ -17,11 +18,13 @@ import pytest
 from p4runtime_sh import shell as sh
 from scapy.utils import rdpcap
 
+from controller.pipeline import PipelineConfig, Target, push_pipeline
+from controller.switch_connection import SwitchConnection
 from embedded_switch import testbed
-from embedded_switch.program import P4INFO_PATH
+from embedded_switch.program import P4INFO_PATH, load_p4info
 from tests import switch_cases as sc
-from tests.packet.conftest import BMV2_JSON, Rig, open_rig, skip_reason
-from tests.packet.p4rt import P4RuntimeTestClient
+from tests.packet.conftest import BMV2_JSON, REPO_ROOT, Rig, open_rig, skip_reason
+from tests.packet.p4rt import P4RuntimeTestClient, device_config_for, entry_inserts, group_inserts
 
 pytestmark = pytest.mark.root
 
@@ -33,6 +36,11 @@ def test_p4runtime_shell_installs_a_job_and_a_packet_is_replicated(switch: Rig, 
     device_config = BMV2_JSON if switch.kind == "bmv2" else tmp_path / "embedded.bin"
     if switch.kind != "bmv2":
         device_config.write_bytes(b"")
+    cleaner = P4RuntimeTestClient(switch.switch.address)
+    try:
+        cleaner.delete_groups()  # sh.setup pushes the pipeline; no old group may survive it
+    finally:
+        cleaner.close()
     sh.setup(
         device_id=0,
         grpc_addr=switch.switch.address,
@@ -82,6 +90,32 @@ def test_p4runtime_shell_installs_a_job_and_a_packet_is_replicated(switch: Rig, 
         assert (cell.data.packet_count, cell.data.byte_count) == (1, len(bytes(pkt)))
     finally:
         sh.teardown()
+
+
+PUSHES = 5
+
+
+def test_repeated_pipeline_pushes_copy_a_frame_exactly_once(switch: Rig) -> None:
+    """The controller's push path, PUSHES times on one running switch, each time with the groups
+    installed again: a replicated frame still comes out once per replica. Without the group
+    deletion before each push, BMv2 1.15.5 sent it PUSHES times to every port (docs/controller.md)."""
+    target = Target.BMV2 if switch.kind == "bmv2" else Target.EMBEDDED
+    config = PipelineConfig(target, load_p4info(), device_config_for(switch.kind, REPO_ROOT))
+    for _ in range(PUSHES):
+        with SwitchConnection("s1", switch.switch.address, 0, 20, timeout=10.0) as connection:
+            push_pipeline(connection, config, timeout=30.0)
+            errors = connection.write([*entry_inserts(config.p4info, sc.ENTRIES), *group_inserts(sc.GROUPS)])
+            assert errors == [None] * len(errors)
+    switch.drain()
+    pkt = sc.checkmate_packet(shard_key=sc.SHARD_BOTH)
+    switch.send(sc.W0_PORT, pkt)
+    switch.expect(
+        {
+            sc.W1_PORT: [sc.primary_copy(pkt)],
+            sc.SH1_PORT: [sc.shadow1_copy(pkt)],
+            sc.SH2_PORT: [sc.shadow2_copy(pkt)],
+        }
+    )
 
 
 # ---- embedded-only options ---------------------------------------------------------------------------
