@@ -28,6 +28,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from checkmate.job_state import JobState, JobStateError
+
 # The framing and its constants live in the torch-free checkmate.control_frame; re-exported here.
 from checkmate.control_frame import DEFAULT_CONTROL_PORT as DEFAULT_CONTROL_PORT
 from checkmate.control_frame import MAGIC as MAGIC
@@ -183,6 +185,44 @@ class Commit:
     """Where to resume reading data after this iteration (a JSON value, see
     :func:`validate_data_position`); None, and absent on the wire: unchanged since
     the previous iteration."""
+    job_state: JobState | None = None
+    """The job's state after this iteration besides parameters and optimizer state
+    (persistent buffers, stateful objects, param-group hyperparameters in force:
+    :mod:`checkmate.job_state`); its tensors travel in the frame's blob. None, and
+    absent on the wire: unchanged since the previous iteration."""
+    no_grad: list[str] = field(default_factory=list)
+    """Parameters of the optimizer whose ``grad`` was None at this step (unused in forward,
+    frozen, ``set_to_none``): torch.optim skipped them and so do the shadows. Absent: none."""
+    gradient_scaling: list[dict[str, Any]] = field(default_factory=list)
+    """In-place multiplications of the gradients between the all-reduce and the step, in the
+    order made: ``{"by": "unscale"|"clip", "factor": float, "dtype": "float32", "params":
+    [names]}`` (``params`` absent: every parameter with a gradient). When present, the shadows
+    use it instead of ``clip_coefficient``. Absent: none."""
+    fingerprint: dict[str, dict[str, int]] | None = None
+    """Rank 0's state after this step, per parameter name: ``{"param": checksum, <optimizer
+    state key>: checksum}`` (:mod:`checkmate.fingerprint`); sent every K iterations
+    (``CHECKMATE_FINGERPRINT_EVERY``). Absent: not checked this iteration."""
+
+
+@dataclass
+class Diverged:
+    """Shadow -> rank 0: after applying ``iteration`` its state differs from rank 0's fingerprint.
+
+    The shadow has withdrawn certification of everything after ``last_verified`` and asks
+    for fresh state (it says goodbye; rank 0 reconnects and re-seeds it)."""
+
+    TYPE: ClassVar[str] = "diverged"
+    job_id: int
+    shadow: str
+    iteration: int
+    last_verified: int
+    """The last iteration whose fingerprint matched (-1: none); certificates after it are withdrawn."""
+    mismatches: list[str] = field(default_factory=list)
+    """``name::state`` of the tensors that differ (at most 20 listed)."""
+
+
+_COMMIT_OPTIONAL = {"no_grad": [], "gradient_scaling": [], "fingerprint": None}
+"""Commit fields left off the wire at their default (frames stay small; older readers unaffected)."""
 
 
 @dataclass
@@ -258,6 +298,7 @@ Message = (
     | StatusReport
     | RestoreRequest
     | RestoreRefused
+    | Diverged
 )
 _TYPES: dict[str, type] = {
     cls.TYPE: cls
@@ -271,6 +312,7 @@ _TYPES: dict[str, type] = {
         StatusReport,
         RestoreRequest,
         RestoreRefused,
+        Diverged,
     )
 }
 
@@ -285,26 +327,76 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return t.numpy().data.cast("B")
 
 
+def _tensor_listing(tensors: dict[str, torch.Tensor]) -> tuple[list[dict[str, Any]], list[memoryview]]:
+    """The JSON listing of ``tensors`` and their bytes, in order, for a frame's blob."""
+    offset = 0
+    listing = []
+    blobs: list[memoryview] = []
+    for key, tensor in tensors.items():
+        data = _tensor_bytes(tensor)
+        listing.append(
+            {
+                "key": key,
+                "dtype": dtype_name(tensor.dtype),
+                "shape": list(tensor.shape),
+                "offset": offset,
+                "nbytes": len(data),
+            }
+        )
+        blobs.append(data)
+        offset += len(data)
+    return listing, blobs
+
+
+def _read_tensors(listing: Any, blob: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """The tensors a frame's listing names, read out of its blob."""
+    if not isinstance(listing, list):
+        raise ControlProtocolError("'tensors' is not a list")
+    tensors: dict[str, torch.Tensor] = {}
+    view = memoryview(blob)
+    for entry in listing:
+        lo, n = int(entry["offset"]), int(entry["nbytes"])
+        if lo < 0 or lo + n > len(view):
+            raise ControlProtocolError(f"tensor {entry['key']!r} lies outside the blob")
+        dtype = torch_dtype(entry["dtype"])
+        raw = bytearray(view[lo : lo + n])
+        flat = torch.frombuffer(raw, dtype=dtype) if n else torch.empty(0, dtype=dtype)
+        tensors[entry["key"]] = flat.reshape(entry["shape"])
+    return tensors
+
+
+JOB_STATE_TENSOR_PREFIX = "jobstate/"
+"""A job_start's tensors under this prefix are its job state's (document in ``extra["job_state"]``)."""
+
+
+def attach_job_state(message: JobStart, state: JobState | None) -> JobStart:
+    """Put ``state`` into a job_start (``extra["job_state"]`` and ``jobstate/<key>`` tensors)."""
+    if state is not None:
+        message.extra["job_state"] = state.document
+        for key, tensor in state.tensors.items():
+            message.tensors[JOB_STATE_TENSOR_PREFIX + key] = tensor
+    return message
+
+
+def job_state_of(message: JobStart) -> JobState | None:
+    """The job state a job_start carries (None: none); ControlProtocolError if it is malformed."""
+    document = message.extra.get("job_state")
+    if document is None:
+        return None
+    n = len(JOB_STATE_TENSOR_PREFIX)
+    tensors = {k[n:]: t for k, t in message.tensors.items() if k.startswith(JOB_STATE_TENSOR_PREFIX)}
+    try:
+        return JobState(document, tensors).validate()
+    except JobStateError as exc:
+        raise ControlProtocolError(f"job_start carries a bad job state: {exc}") from None
+
+
 def encode_message(message: Message) -> list[bytes | memoryview]:
     """The frame for ``message`` as buffers for ``sendmsg``/``sendall`` (tensor bytes not copied)."""
     body: dict[str, Any] = {"type": message.TYPE}
     blobs: list[memoryview] = []
     if isinstance(message, JobStart):
-        offset = 0
-        listing = []
-        for key, tensor in message.tensors.items():
-            data = _tensor_bytes(tensor)
-            listing.append(
-                {
-                    "key": key,
-                    "dtype": dtype_name(tensor.dtype),
-                    "shape": list(tensor.shape),
-                    "offset": offset,
-                    "nbytes": len(data),
-                }
-            )
-            blobs.append(data)
-            offset += len(data)
+        listing, blobs = _tensor_listing(message.tensors)
         body.update(
             job_id=message.job_id,
             world_size=message.world_size,
@@ -338,6 +430,15 @@ def encode_message(message: Message) -> list[bytes | memoryview]:
         body.update({k: v for k, v in vars(message).items()})
         if isinstance(message, Commit) and message.data_position is None:
             del body["data_position"]  # optional: a commit without it reads as before
+        if isinstance(message, Commit):
+            for key, default in _COMMIT_OPTIONAL.items():
+                if body.get(key) == default:
+                    del body[key]
+        if isinstance(message, Commit):
+            state = body.pop("job_state")
+            if state is not None:  # optional too; its tensors go into the blob
+                body["job_state"] = state.document
+                body["tensors"], blobs = _tensor_listing(state.tensors)
     try:
         text = json.dumps(body, allow_nan=True, separators=(",", ":")).encode()
     except (TypeError, ValueError) as exc:
@@ -361,17 +462,14 @@ def decode_message(
     if cls is None:
         raise ControlProtocolError(f"unknown control message type {kind!r}; known: {sorted(_TYPES)}")
     try:
+        if cls is Commit and "job_state" in body:
+            state = JobState(body.pop("job_state"), _read_tensors(body.pop("tensors", []), blob))
+            try:
+                body["job_state"] = state.validate()
+            except JobStateError as exc:
+                raise ControlProtocolError(f"commit carries a bad job state: {exc}") from None
         if cls is JobStart:
-            tensors: dict[str, torch.Tensor] = {}
-            view = memoryview(blob)
-            for entry in body.pop("tensors"):
-                lo, n = int(entry["offset"]), int(entry["nbytes"])
-                if lo < 0 or lo + n > len(view):
-                    raise ControlProtocolError(f"tensor {entry['key']!r} lies outside the blob")
-                dtype = torch_dtype(entry["dtype"])
-                raw = bytearray(view[lo : lo + n])
-                flat = torch.frombuffer(raw, dtype=dtype) if n else torch.empty(0, dtype=dtype)
-                tensors[entry["key"]] = flat.reshape(entry["shape"])
+            tensors = _read_tensors(body.pop("tensors"), blob)
             body["parameters"] = [
                 ParamSpec(p["name"], tuple(p["shape"]), p["dtype"]) for p in body.pop("parameters")
             ]
