@@ -1,6 +1,6 @@
 # Checkmate: one command to set up, one to test, one to run the demo.
 #   make setup   system packages (root), .venv, torch 2.13.0, the project [dev]
-#   make test    setup + the test suite (root-only tests skip when not root)
+#   make test    setup + the test suite (root-only tests skip when not root; BMv2/p4c ones when absent)
 #   make demo    setup + the end-to-end demo (root; DEMO_ARGS="--help" for its options)
 #   make p4      compile p4src/ with p4c (BMv2) into build/ when p4c is installed
 #   make lint    ruff + mypy
@@ -55,6 +55,8 @@ $(STAMP): pyproject.toml
 	@echo "make setup: .venv ready"
 
 test: setup
+	@# With p4c on PATH, compile the v1model program first (under a second) so the BMv2 tests have its JSON.
+	@if command -v p4c >/dev/null 2>&1; then $(MAKE) --no-print-directory p4; fi
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: setup
@@ -67,14 +69,14 @@ demo: setup
 p4:
 	@if ! command -v p4c >/dev/null 2>&1; then \
 	  echo "make p4: p4c is not installed (it is not in Debian 12's or PyPI's registries);"; \
-	  echo "  install p4c from p4lang, then run make p4 again. p4src/checkmate.p4info.txt is committed."; \
+	  echo "  install p4c from p4lang, then run make p4 again. p4src/checkmate.p4info.txtpb is committed."; \
 	  exit 1; \
 	fi
 	mkdir -p $(BUILD)/v1model
 	p4c --target bmv2 --arch v1model --std p4-16 \
-	  --p4runtime-files $(BUILD)/v1model/checkmate.p4info.txt \
+	  --p4runtime-files $(BUILD)/v1model/checkmate.p4info.txtpb \
 	  -o $(BUILD)/v1model p4src/v1model/checkmate.p4
-	@echo "make p4: wrote $(BUILD)/v1model/checkmate.json and checkmate.p4info.txt"
+	@echo "make p4: wrote $(BUILD)/v1model/checkmate.json and checkmate.p4info.txtpb"
 
 BENCH_ARGS ?=
 

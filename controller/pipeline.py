@@ -31,7 +31,7 @@ from controller.switch_connection import PIPELINE_TIMEOUT_S, SwitchConnection
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_P4INFO = REPO_ROOT / "p4src" / "checkmate.p4info.txt"
+DEFAULT_P4INFO = REPO_ROOT / "p4src" / "checkmate.p4info.txtpb"
 DEFAULT_BMV2_JSON = REPO_ROOT / "build" / "v1model" / "checkmate.json"
 
 

@@ -710,7 +710,7 @@ class P4RuntimeServer:
         self._commit(pipeline)
 
     def load_default_pipeline(self) -> None:
-        """Commit the Checkmate program's own P4Info (p4src/checkmate.p4info.txt)."""
+        """Commit the Checkmate program's own P4Info (p4src/checkmate.p4info.txtpb)."""
         self.load_pipeline(self._reference)
 
     def _prepare(self, config: p4runtime_pb2.ForwardingPipelineConfig) -> _Pipeline:

@@ -4,6 +4,11 @@ The embedded target implements exactly one program. This module loads its
 P4Info, checks that a P4Info pushed by a controller describes that program,
 and builds the empty :class:`SwitchState` (tables with the default actions the
 P4 source declares, counters) that the pipeline reads.
+
+Both forms of the program's P4Info are accepted: p4c 1.2.5's (each table's
+``initial_default_action``, and the directly called action ``drop`` listed; the
+committed p4src/checkmate.p4info.txtpb) and the older form without those. An
+``initial_default_action`` that is present must name the table's default action.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from embedded_switch.state import (
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-P4INFO_PATH = REPO_ROOT / "p4src" / "checkmate.p4info.txt"
+P4INFO_PATH = REPO_ROOT / "p4src" / "checkmate.p4info.txtpb"
 
 DEFAULT_ACTIONS: dict[str, ActionCall] = {
     "route_ipv4": ActionCall("drop_no_route"),
@@ -97,6 +102,20 @@ def check_program(info: p4info_pb2.P4Info, reference: p4info_pb2.P4Info | None =
         for name, spec in want_items.items():
             if got_items[name] != spec:
                 raise ProgramMismatchError(f"P4Info {kind[:-1]} {name} differs from the Checkmate program")
+    action_names = {a.preamble.id: a.preamble.name for a in info.actions}
+    for t in info.tables:
+        if not t.HasField("initial_default_action"):
+            continue
+        alias = t.preamble.alias or t.preamble.name.split(".")[-1]
+        default = DEFAULT_ACTIONS.get(alias)
+        named = action_names.get(
+            t.initial_default_action.action_id, f"id {t.initial_default_action.action_id}"
+        )
+        if default is not None and named.split(".")[-1] != default.name:
+            raise ProgramMismatchError(
+                f"P4Info table {t.preamble.name}: initial default action {named} differs from the "
+                f"Checkmate program's {default.name}"
+            )
 
 
 def build_state(info: p4info_pb2.P4Info) -> SwitchState:

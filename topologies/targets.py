@@ -22,7 +22,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_P4INFO = REPO_ROOT / "p4src" / "checkmate.p4info.txt"
+DEFAULT_P4INFO = REPO_ROOT / "p4src" / "checkmate.p4info.txtpb"
 DEFAULT_BMV2_JSON = REPO_ROOT / "build" / "v1model" / "checkmate.json"
 
 

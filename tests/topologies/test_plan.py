@@ -49,7 +49,7 @@ def test_bmv2_plan_uses_the_same_command_line_and_pushes_the_json(
     bmv2_json.write_text("{}")
     monkeypatch.setattr(preflight, "find_binary", lambda target: f"/opt/bmv2/{target.binary}")
     monkeypatch.setattr(
-        preflight, "pipeline_files", lambda target: (REPO / "p4src/checkmate.p4info.txt", bmv2_json)
+        preflight, "pipeline_files", lambda target: (REPO / "p4src/checkmate.p4info.txtpb", bmv2_json)
     )
     plan = make_plan(REPO / "topologies" / "single.json", Target.BMV2, tmp_path / "run", pcap=True)
     argv = plan.switches["s1"].command(plan.switch_binary)
