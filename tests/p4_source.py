@@ -1,7 +1,8 @@
 """A reader for the few P4_16 declarations our tests compare with the P4Info.
 
 Not a P4 parser: it understands the subset p4src/ uses (header/struct fields,
-typedefs, #define sizes, action parameters, table keys/actions/size, counters),
+typedefs, #define sizes, action parameters, table keys/actions/size, counters;
+@hidden tables are skipped, as P4Info generators skip them),
 enough to check names and bit widths against the committed P4Info.
 """
 
@@ -106,8 +107,10 @@ def read_program(arch: str) -> P4Program:
             ptype, pname = param.rsplit(None, 1)
             plist.append((pname, width_of(ptype)))
         program.actions[name] = plist
-    for match in re.finditer(r"\btable\s+(\w+)\s*\{", text):
-        name = match.group(1)
+    for match in re.finditer(r"(@hidden\s+)?\btable\s+(\w+)\s*\{", text):
+        if match.group(1):
+            continue  # a compiler-only table (TNA's const checks): not in the P4Info
+        name = match.group(2)
         body = _block(text, match.start())
         keys = [
             (alias, kind, key_width(expr))

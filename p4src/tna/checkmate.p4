@@ -1,27 +1,35 @@
 /*
- * Checkmate data plane for Tofino (TNA).
+ * Checkmate data plane for Tofino (TNA for Tofino 1, T2NA for Tofino 2).
  *
- * Same behaviour, tables and names as p4src/v1model/checkmate.p4; only the
+ * Same behaviour, tables and names as p4src/v1model/checkmate.p4; the
  * architecture shell differs (intrinsic metadata, bridged metadata, deparser
- * checksums). In the P4Info bf-p4c generates, names carry the pipe prefix
+ * checksums) and so does the shape of a few checks and counters, because the
+ * Tofino compiler cannot place the v1model shape (p4src/tna/include/*.p4 say
+ * where; docs/protocol.md says what each target checks where). In the P4Info
+ * the Tofino compiler generates, names carry the pipe prefix
  * ("pipe.CheckmateIngress.route_ipv4"); the controller resolves tables by
- * their unqualified name, so it drives either program unchanged.
- * Unlike v1model, the incoming IPv4 header checksum is not verified here
- * (meta.checksum_error stays 0): Tofino MACs already drop frames with a bad FCS.
+ * their unqualified name, so it drives either program unchanged
+ * (p4src/tna/checkmate.tofino.p4info.txtpb is that P4Info, committed).
+ * Unlike v1model, the incoming IPv4 header checksum is not verified here.
  *
- *   bf-p4c --arch tna --p4runtime-files build/tna/checkmate.p4info.txt \
- *          -o build/tna p4src/tna/checkmate.p4
+ *   make p4-tofino      (p4c-barefoot --target tofino --arch tna, then bfas;
+ *                        docs/tofino.md has the command line and the resources)
  */
 #include <core.p4>
+#if __TARGET_TOFINO__ == 2
+#include <t2na.p4>
+#else
 #include <tna.p4>
+#endif
 
 #include "../shared/defines.p4"
 #include "../shared/headers.p4"
 #include "../shared/parser.p4"
+#include "include/metadata.p4"
 
 parser CheckmateIngressParser(packet_in packet,
                               out headers_t hdr,
-                              out checkmate_metadata_t meta,
+                              out ingress_metadata_t meta,
                               out ingress_intrinsic_metadata_t ig_intr_md) {
     CheckmateHeaderParser() header_parser;
 
@@ -32,12 +40,18 @@ parser CheckmateIngressParser(packet_in packet,
         meta.routed = 0;
         meta.replicated = 0;
         meta.job_slot = UNKNOWN_JOB_SLOT;
-        meta.checksum_error = 0;
+        meta.dropped = 0;
+        meta.drop_reason = 0;
+        meta.rejected = 0;
+        meta.payload_bytes = 0;
+        meta.expected_bytes = 0;
+        /* The bridged header is made valid at the end of ingress, never parsed here. */
+        hdr.bridged.setInvalid();
         transition parse_headers;
     }
 
     state parse_headers {
-        header_parser.apply(packet, hdr);
+        header_parser.apply(packet, hdr.ethernet, hdr.ipv4, hdr.udp, hdr.checkmate);
         transition accept;
     }
 }
@@ -46,7 +60,7 @@ parser CheckmateIngressParser(packet_in packet,
 
 control CheckmateIngressDeparser(packet_out packet,
                                  inout headers_t hdr,
-                                 in checkmate_metadata_t meta,
+                                 in ingress_metadata_t meta,
                                  in ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md) {
     Checksum() ipv4_checksum;
 
@@ -62,23 +76,21 @@ control CheckmateIngressDeparser(packet_out packet,
 
 parser CheckmateEgressParser(packet_in packet,
                              out headers_t hdr,
-                             out checkmate_metadata_t meta,
+                             out egress_metadata_t meta,
                              out egress_intrinsic_metadata_t eg_intr_md) {
     CheckmateHeaderParser() header_parser;
 
     state start {
         packet.extract(eg_intr_md);
         packet.extract(hdr.bridged);
-        meta.next_hop_port = 0;
-        meta.routed = 0;
         meta.replicated = hdr.bridged.replicated;
         meta.job_slot = hdr.bridged.job_slot;
-        meta.checksum_error = 0;
+        meta.dropped = 0;
         transition parse_headers;
     }
 
     state parse_headers {
-        header_parser.apply(packet, hdr);
+        header_parser.apply(packet, hdr.ethernet, hdr.ipv4, hdr.udp, hdr.checkmate);
         transition accept;
     }
 }
@@ -87,7 +99,7 @@ parser CheckmateEgressParser(packet_in packet,
 
 control CheckmateEgressDeparser(packet_out packet,
                                 inout headers_t hdr,
-                                in checkmate_metadata_t meta,
+                                in egress_metadata_t meta,
                                 in egress_intrinsic_metadata_for_deparser_t eg_dprsr_md) {
     Checksum() ipv4_checksum;
 

@@ -22,7 +22,7 @@ parser CheckmateParser(packet_in packet,
     CheckmateHeaderParser() header_parser;
 
     state start {
-        header_parser.apply(packet, hdr);
+        header_parser.apply(packet, hdr.ethernet, hdr.ipv4, hdr.udp, hdr.checkmate);
         transition accept;
     }
 }

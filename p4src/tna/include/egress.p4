@@ -2,9 +2,14 @@
  * Checkmate TNA egress: the same rewrite as p4src/v1model/include/egress.p4.
  * The multicast node's RID (the P4Runtime replica instance) is egress_rid;
  * the primary copy has RID 0, the shadow copy its shadow id.
+ *
+ * Tofino requires every counter a table's actions use to be addressed the same
+ * way in all of them, so only set_shadow_destination counts (shadow_copies);
+ * drop_shadow_copy records the drop and the end of apply counts it once in
+ * egress_drops.
  */
 control CheckmateEgress(inout headers_t hdr,
-                        inout checkmate_metadata_t meta,
+                        inout egress_metadata_t meta,
                         in egress_intrinsic_metadata_t eg_intr_md,
                         in egress_intrinsic_metadata_from_parser_t eg_prsr_md,
                         inout egress_intrinsic_metadata_for_deparser_t eg_dprsr_md,
@@ -22,7 +27,7 @@ control CheckmateEgress(inout headers_t hdr,
     }
 
     action drop_shadow_copy() {
-        egress_drops.count(DROP_NO_SHADOW_DESTINATION);
+        meta.dropped = 1;
         eg_dprsr_md.drop_ctl = 1;
     }
 
@@ -46,6 +51,9 @@ control CheckmateEgress(inout headers_t hdr,
             if (eg_intr_md.egress_rid != 0) {
                 rewrite_shadow_copy.apply();
             }
+        }
+        if (meta.dropped == 1) {
+            egress_drops.count(DROP_NO_SHADOW_DESTINATION);
         }
     }
 }

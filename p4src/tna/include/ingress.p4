@@ -1,13 +1,27 @@
 /*
  * Checkmate TNA ingress: the same tables, keys and actions as the v1model
- * program (p4src/v1model/include/ingress.p4), on Tofino's intrinsic metadata.
+ * program (p4src/v1model/include/ingress.p4), on Tofino's intrinsic metadata,
+ * in the shape the Tofino compiler accepts:
+ *
+ *   - Each counter is addressed from exactly one place. drop() and
+ *     reject_replication() only record what happened (meta.dropped and
+ *     meta.drop_reason, meta.rejected); the end of apply counts it once in
+ *     ingress_drops / rejected_replications.
+ *   - Conditions compare fields with constants or with each other, never
+ *     arithmetic: the payload length and the length element_count implies are
+ *     computed into metadata by actions first.
+ *   - Tofino drops parser verify(), so the two checks the shared parser makes
+ *     on v1model (Checkmate version, UDP length >= UDP + Checkmate headers) are
+ *     made here, before anything else, and drop the packet the same way.
+ *   - The incoming IPv4 header checksum is not verified (DROP_BAD_IPV4_CHECKSUM
+ *     is never counted on Tofino; docs/protocol.md).
  *
  * Tofino sends a packet both unicast and multicast when both are set, so the
  * unicast port is written only when replicate_to_shadow chose no group.
  * The replication decision and job slot reach egress as bridged metadata.
  */
 control CheckmateIngress(inout headers_t hdr,
-                         inout checkmate_metadata_t meta,
+                         inout ingress_metadata_t meta,
                          in ingress_intrinsic_metadata_t ig_intr_md,
                          in ingress_intrinsic_metadata_from_parser_t ig_prsr_md,
                          inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md,
@@ -17,7 +31,8 @@ control CheckmateIngress(inout headers_t hdr,
     Counter<bit<64>, job_slot_t>(JOB_SLOT_COUNT, CounterType_t.PACKETS_AND_BYTES) rejected_replications;
 
     action drop(bit<8> reason) {
-        ingress_drops.count(reason);
+        meta.dropped = 1;
+        meta.drop_reason = reason;
         ig_dprsr_md.drop_ctl = 1;
     }
 
@@ -71,7 +86,7 @@ control CheckmateIngress(inout headers_t hdr,
     }
 
     action reject_replication() {
-        rejected_replications.count(meta.job_slot);
+        meta.rejected = 1;
     }
 
     table replicate_to_shadow {
@@ -89,6 +104,78 @@ control CheckmateIngress(inout headers_t hdr,
         size = REPLICATION_TABLE_SIZE;
     }
 
+    /*
+     * The two checks v1model's parser verify()s, as a table because a gateway
+     * cannot compare a 16-bit length with a range: a Checkmate header must
+     * have CHECKMATE_VERSION and a UDP length of at least 40 bytes (UDP +
+     * Checkmate headers); otherwise the packet is dropped as malformed.
+     */
+    action checkmate_header_ok() {
+    }
+
+    action malformed_checkmate() {
+        drop(DROP_MALFORMED_CHECKMATE);
+    }
+
+    @hidden table verify_checkmate_header {
+        key = {
+            hdr.checkmate.version : ternary @name("version");
+            hdr.udp.length        : ternary @name("udp_length");
+        }
+        actions = {
+            checkmate_header_ok;
+            malformed_checkmate;
+        }
+        const default_action = malformed_checkmate();  /* another version */
+        const entries = {
+            (CHECKMATE_VERSION, 0 &&& 0xFFE0)  : malformed_checkmate();  /* length 0..31 */
+            (CHECKMATE_VERSION, 32 &&& 0xFFF8) : malformed_checkmate();  /* length 32..39 */
+            (CHECKMATE_VERSION, _)             : checkmate_header_ok();
+        }
+        size = 4;
+    }
+
+    /*
+     * Both sides of the payload-length check: payload_bytes = UDP length - 40,
+     * expected_bytes = element_count times the dtype's size, or 0xFFFF (never a
+     * payload length, as the UDP length is >= 40 here) when element_count is
+     * too large or the dtype unknown. Done in a table's actions so that the
+     * compiler cannot fold the arithmetic back into the comparison.
+     */
+    action expect_fp32() {
+        meta.payload_bytes = hdr.udp.length - (UDP_HEADER_BYTES + CHECKMATE_HEADER_BYTES);
+        meta.expected_bytes = hdr.checkmate.element_count[13:0] ++ 2w0;
+    }
+
+    action expect_16bit() {
+        meta.payload_bytes = hdr.udp.length - (UDP_HEADER_BYTES + CHECKMATE_HEADER_BYTES);
+        meta.expected_bytes = hdr.checkmate.element_count[14:0] ++ 1w0;
+    }
+
+    action expect_nothing() {
+        meta.payload_bytes = hdr.udp.length - (UDP_HEADER_BYTES + CHECKMATE_HEADER_BYTES);
+        meta.expected_bytes = 0xFFFF;
+    }
+
+    @hidden table measure_payload {
+        key = {
+            hdr.checkmate.dtype                : exact @name("dtype");
+            hdr.checkmate.element_count[31:14] : ternary @name("element_count_high");
+        }
+        actions = {
+            expect_fp32;
+            expect_16bit;
+            expect_nothing;
+        }
+        const default_action = expect_nothing();
+        const entries = {
+            (CHECKMATE_DTYPE_FP32, 0 &&& 0x3FFFF) : expect_fp32();   /* element_count < 2^14 */
+            (CHECKMATE_DTYPE_BF16, 0 &&& 0x3FFFE) : expect_16bit();  /* element_count < 2^15 */
+            (CHECKMATE_DTYPE_FP16, 0 &&& 0x3FFFE) : expect_16bit();
+        }
+        size = 4;
+    }
+
     apply {
         if (ig_prsr_md.parser_err != 0) {
             if (hdr.udp.isValid() && hdr.udp.dst_port == CHECKMATE_UDP_PORT) {
@@ -96,10 +183,13 @@ control CheckmateIngress(inout headers_t hdr,
             } else {
                 drop(DROP_MALFORMED_PACKET);
             }
+        } else if (hdr.checkmate.isValid()) {
+            verify_checkmate_header.apply();
+        }
+        if (meta.dropped == 1) {
+            /* counted below */
         } else if (!hdr.ipv4.isValid()) {
             drop(DROP_NOT_IPV4);
-        } else if (meta.checksum_error == 1) {
-            drop(DROP_BAD_IPV4_CHECKSUM);
         } else if (hdr.ipv4.ttl <= 1) {
             drop(DROP_TTL_EXPIRED);
         } else {
@@ -107,17 +197,10 @@ control CheckmateIngress(inout headers_t hdr,
             if (meta.routed == 1 && hdr.checkmate.isValid()
                     && (hdr.checkmate.flags & CHECKMATE_FLAG_REPLICATE) != 0) {
                 lookup_job.apply();
-                bit<16> payload_bytes = hdr.udp.length - (UDP_HEADER_BYTES + CHECKMATE_HEADER_BYTES);
-                bit<16> expected_bytes = 0xFFFF;
-                if (hdr.checkmate.element_count[31:14] == 0) {
-                    if (hdr.checkmate.dtype == CHECKMATE_DTYPE_FP32) {
-                        expected_bytes = hdr.checkmate.element_count[13:0] ++ 2w0;
-                    } else if (hdr.checkmate.dtype == CHECKMATE_DTYPE_BF16
-                               || hdr.checkmate.dtype == CHECKMATE_DTYPE_FP16) {
-                        expected_bytes = 1w0 ++ hdr.checkmate.element_count[13:0] ++ 1w0;
-                    }
-                }
-                if (hdr.checkmate.msg_type != CHECKMATE_MSG_DATA || payload_bytes != expected_bytes) {
+                /* The payload must be exactly element_count elements of dtype. */
+                measure_payload.apply();
+                if (hdr.checkmate.msg_type != CHECKMATE_MSG_DATA
+                        || meta.payload_bytes != meta.expected_bytes) {
                     meta.routed = 0;
                     drop(DROP_MALFORMED_CHECKMATE);
                 } else {
@@ -127,6 +210,12 @@ control CheckmateIngress(inout headers_t hdr,
             if (meta.routed == 1 && meta.replicated == 0) {
                 ig_tm_md.ucast_egress_port = meta.next_hop_port;
             }
+        }
+        if (meta.dropped == 1) {
+            ingress_drops.count(meta.drop_reason);
+        }
+        if (meta.rejected == 1) {
+            rejected_replications.count(meta.job_slot);
         }
         hdr.bridged.setValid();
         hdr.bridged.pad = 0;
