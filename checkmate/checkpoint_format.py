@@ -4,8 +4,12 @@ A checkpoint of step t is a directory ``step-<t:08d>/`` under a root:
 
 * ``global.json`` — format version, step, every parameter of the model by
   fully-qualified name with shape and dtype, the optimizer (class, param
-  groups with their hyperparameters and parameter names) and the job's other
-  state (scheduler, data position, RNG states): whatever the writer passes.
+  groups with their hyperparameters and parameter names), ``extra`` (data
+  position, job id, ...: whatever the writer passes) and, from version 2,
+  ``job_state``: the model's persistent buffers, the job's stateful objects
+  (scheduler, GradScaler, sampler, ...) and the param-group hyperparameters in
+  force (:mod:`checkmate.job_state`), its tensors in
+  ``job-state-<sha256 prefix>.safetensors``.
 * ``shard-<k>-of-<K>.safetensors`` + ``shard-<k>-of-<K>.json`` — written
   natively by shard writer k (a shadow): tensors keyed ``<name>::<state>``
   (state ``param``, or an optimizer state such as ``exp_avg``, ``step``), and a
@@ -38,11 +42,16 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
+from safetensors.torch import save as safetensors_bytes
+
+from checkmate.job_state import JobState, JobStateError
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2 added ``job_state`` to global.json (version 1 steps read as steps without one)."""
+READABLE_VERSIONS = (1, 2)
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 SHARD_MANIFEST = re.compile(r"^shard-(\d{3})-of-(\d{3})\.json$")
 KEY_SEPARATOR = "::"
@@ -121,17 +130,35 @@ def write_global(
     parameters: Mapping[str, tuple[list[int], str]],
     optimizer: Mapping[str, Any],
     extra: Mapping[str, Any] | None = None,
+    job_state: JobState | None = None,
 ) -> Path:
-    """Write ``global.json`` for ``step``. ``parameters``: name -> (shape, dtype string)."""
+    """Write ``global.json`` for ``step``. ``parameters``: name -> (shape, dtype string).
+
+    ``job_state``'s tensors go first into ``job-state-<sha256 prefix>.safetensors``
+    (named by its content, so shadows writing the same step never overwrite each
+    other's file under another's checksum), then global.json names the file.
+    """
     directory = step_dir(root, step)
     directory.mkdir(parents=True, exist_ok=True)
-    document = {
+    document: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "step": step,
         "parameters": {n: {"shape": list(s), "dtype": d} for n, (s, d) in sorted(parameters.items())},
         "optimizer": dict(optimizer),
         "extra": dict(extra or {}),
     }
+    if job_state is not None:
+        entry: dict[str, Any] = {"document": job_state.document, "file": None, "file_sha256": None}
+        if job_state.tensors:
+            data = safetensors_bytes(
+                {k: t.detach().contiguous().cpu() for k, t in sorted(job_state.tensors.items())}
+            )
+            digest = hashlib.sha256(data).hexdigest()
+            name = f"job-state-{digest[:16]}.safetensors"
+            if not (directory / name).is_file():
+                _atomic_write_bytes(directory / name, data)
+            entry.update(file=name, file_sha256=digest)
+        document["job_state"] = entry
     path = directory / "global.json"
     _atomic_write_json(path, document)
     return path
@@ -234,9 +261,10 @@ def _load_json(path: Path) -> dict[str, Any]:
     if not isinstance(document, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     version = document.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"{path}: format version {version!r}; this build reads version {FORMAT_VERSION}"
+            f"{path}: format version {version!r}; this build reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
             + (
                 " (written by a newer Checkmate)"
                 if isinstance(version, int) and version > FORMAT_VERSION
@@ -432,6 +460,10 @@ class CheckpointReader:
         except SafetensorError as exc:
             raise CheckpointError(f"{path}: cannot be read ({exc}); truncated or corrupted") from None
 
+    def job_state(self) -> JobState | None:
+        """The step's job state (buffers, stateful objects, param groups); None in a version-1 step."""
+        return read_job_state(self.directory, self.global_state)
+
     def states_of(self, name: str) -> list[str]:
         return sorted(state for (n, state) in self.slices if n == name)
 
@@ -502,6 +534,34 @@ class CheckpointReader:
             path = self.directory / manifest["file"]
             if _sha256_file(path) != manifest["file_sha256"]:
                 raise CheckpointError(f"{path}: file checksum mismatch (corrupted or truncated)")
+
+
+def read_job_state(directory: Path, global_state: Mapping[str, Any]) -> JobState | None:
+    """The job state global.json names (its tensor file checked against its SHA-256), or None."""
+    entry = global_state.get("job_state")
+    if entry is None:
+        return None
+    where = directory / "global.json"
+    if not isinstance(entry, dict) or not isinstance(entry.get("document"), dict):
+        raise CheckpointError(f"{where}: 'job_state' is not an object with a 'document'")
+    tensors: dict[str, torch.Tensor] = {}
+    file = entry.get("file")
+    if file is not None:
+        if not isinstance(file, str) or Path(file).name != file:
+            raise CheckpointError(f"{where}: job_state 'file' is not a file name in the step's directory")
+        path = directory / file
+        if not path.is_file():
+            raise CheckpointError(f"{where}: its job state file {file} is missing")
+        if _sha256_file(path) != entry.get("file_sha256"):
+            raise CheckpointError(f"{path}: file checksum mismatch (corrupted or truncated)")
+        try:
+            tensors = load_file(str(path))
+        except SafetensorError as exc:
+            raise CheckpointError(f"{path}: cannot be read ({exc})") from None
+    try:
+        return JobState(entry["document"], tensors).validate()
+    except JobStateError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
 
 
 def parameters_of(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[list[int], str]]:

@@ -2,11 +2,14 @@
 
 Workers put fully reduced gradients on the wire once, tagged REPLICATE, so the
 switch can copy them to shadows. The one line for a DDP script is
-``hosts.enable_checkmate(ddp_model, optimizer)`` (see :mod:`hosts.ddp`).
+``hosts.enable_checkmate(ddp_model, optimizer)`` (see :mod:`hosts.ddp`); the one
+call to resume after a failure is ``hosts.resume(ddp_model, optimizer)``
+(see :mod:`hosts.recovery`).
 
 Modules: :mod:`hosts.transport` (reliable UDP), :mod:`hosts.ring_allreduce`
 (ring all-reduce, tags, repair service), :mod:`hosts.ddp` (DDP hook, commit
-records), :mod:`hosts.control_channel` (rank 0 -> shadows, TCP),
+records), :mod:`hosts.recovery` (resume from the shadows or disk),
+:mod:`hosts.control_channel` (rank 0 -> shadows, TCP),
 :mod:`hosts.faults` (seeded loss/duplication/reordering for tests).
 """
 
@@ -15,15 +18,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hosts.ddp import CheckmateAgent, CheckmateConfig, clip_grad_norm_, enable_checkmate
+    from hosts.ddp import CheckmateAgent, CheckmateConfig, clip_grad_norm_, enable_checkmate  # noqa: F401
+    from hosts.recovery import ResumeError, ResumePoint, resume, settle_buckets  # noqa: F401
 
-__all__ = ["CheckmateAgent", "CheckmateConfig", "clip_grad_norm_", "enable_checkmate"]
+_FROM_DDP = ("CheckmateAgent", "CheckmateConfig", "clip_grad_norm_", "enable_checkmate")
+_FROM_RESUME = ("ResumeError", "ResumePoint", "resume", "settle_buckets")
+__all__ = [*_FROM_DDP, *_FROM_RESUME]
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so that importing hosts.transport does not pull in torch.distributed.
-    if name in __all__:
+    if name in _FROM_DDP:
         from hosts import ddp
 
         return getattr(ddp, name)
+    if name in _FROM_RESUME:
+        from hosts import recovery
+
+        return getattr(recovery, name)
     raise AttributeError(f"module 'hosts' has no attribute {name!r}")

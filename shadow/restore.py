@@ -9,7 +9,9 @@ control port (``restore_request`` -> ``job_start``-shaped answer, see
 docs/shadow.md), and merges them, checking that every parameter of the model
 is covered exactly once. The merged state's ``data_position`` is the workers'
 data position after the restored iteration (what they set with
-``CheckmateAgent.set_data_position``), or None when no shadow knows it.
+``CheckmateAgent.set_data_position``), or None when no shadow knows it; its
+``job_state`` holds the buffers, stateful objects and param groups after it
+(:mod:`checkmate.job_state`), or None when the workers sent none.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ from checkmate.control import (
     RestoreRequest,
     StatusReport,
     StatusRequest,
+    job_state_of,
     recv_message,
     send_message,
 )
+from checkmate.job_state import JobState
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +91,19 @@ def _data_position(shards: Sequence[JobStart]) -> Any:
     return next(iter(known.values()), None)
 
 
+def _job_state(shards: Sequence[JobStart]) -> JobState | None:
+    """The job state the shards' shadows hold (every shadow gets the same); RestoreError if they differ."""
+    held = [(str(s.extra.get("shadow", "?")), job_state_of(s)) for s in shards]
+    known = [(who, state) for who, state in held if state is not None]
+    if not known:
+        return None
+    first_who, first = known[0]
+    for who, state in known[1:]:
+        if not first.equals(state):
+            raise RestoreError(f"shadows {first_who} and {who} hold different job states for one iteration")
+    return first
+
+
 def merge_shards(shards: Sequence[JobStart]) -> dict[str, Any]:
     """One state from shards of the same iteration; every parameter covered exactly once."""
     if not shards:
@@ -106,6 +123,8 @@ def merge_shards(shards: Sequence[JobStart]) -> dict[str, Any]:
         who = str(shard.extra.get("shadow", "?"))
         for key, tensor in shard.tensors.items():
             kind, _, rest = key.partition("/")
+            if kind == "jobstate":
+                continue  # the job state's tensors: see _job_state
             if kind == "param":
                 if rest not in expected:
                     raise RestoreError(f"shadow {who} holds {rest!r}, which is not in the model")
@@ -134,6 +153,7 @@ def merge_shards(shards: Sequence[JobStart]) -> dict[str, Any]:
         "parameters": {p.name: parameters[p.name] for p in first.parameters},
         "optimizer_state": states,
         "optimizer": first.optimizer,
+        "job_state": _job_state(shards),
         "shadows": {str(s.extra.get("shadow", "?")): s.start_iteration - 1 for s in shards},
     }
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from checkmate import checkpoint_format as fmt
+from checkmate.job_state import JobState
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class Snapshot:
     parameters: Mapping[str, tuple[list[int], str]]
     optimizer: Mapping[str, Any]
     extra: Mapping[str, Any] = field(default_factory=dict)
+    job_state: JobState | None = None
+    """Buffers, stateful objects and param groups after ``step`` (every shard writes the same)."""
 
 
 @dataclass
@@ -119,7 +122,9 @@ class Snapshotter:
     def _write(self, snapshot: Snapshot) -> None:
         started = time.monotonic()
         root = self.policy.directory
-        fmt.write_global(root, snapshot.step, snapshot.parameters, snapshot.optimizer, snapshot.extra)
+        fmt.write_global(
+            root, snapshot.step, snapshot.parameters, snapshot.optimizer, snapshot.extra, snapshot.job_state
+        )
         fmt.write_shard(root, snapshot.step, snapshot.shard, snapshot.num_shards, snapshot.states)
         if snapshot.step in fmt.complete_steps(root):
             fmt.update_latest(root, snapshot.step)
