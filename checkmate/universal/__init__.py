@@ -1,0 +1,16 @@
+"""Universal checkpointing across parallel layouts (TP, PP, DP, ZeRO-1/2/3, FSDP2).
+
+The universal format (:mod:`checkmate.checkpoint_format`) stores every parameter
+whole, by fully-qualified name. This package maps it to and from the shards a
+parallel job holds:
+
+* :mod:`.spec` — the declarative reshaping rules (cat dim, fused sub-parameters,
+  vocabulary padding, averaged replicas), by parameter-name pattern;
+* :mod:`.geometry` — boxes and pieces: which logical elements a local tensor holds;
+* :mod:`.layout` — a target layout (tp, pp, dp, zero, fsdp) and what each rank holds;
+* :mod:`.box_reader` — reading only the bytes of a box from a checkpoint;
+* :mod:`.rank_files` — per-rank shard files of one layout (what a job saves or loads);
+* :mod:`.extract` — merging pieces from any layout into universal atoms;
+* :mod:`.load` — filling a rank's tensors (plain or DTensor) and optimizer state;
+* :mod:`.interop` — DeepSpeed universal and torch DCP imports.
+"""

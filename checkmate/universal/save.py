@@ -1,0 +1,156 @@
+"""Saving a live parallel job (any layout) as one universal checkpoint.
+
+Every rank turns what it holds into records (:mod:`.extract`) and writes them
+to a staging folder of rank files; after a barrier, rank k merges the
+parameters assigned to it (balanced by size) from every rank file and writes
+universal shard k of W; rank 0 writes ``global.json`` (with the reshape spec
+and the source layout under ``extra["universal"]``), moves ``latest`` and
+removes the staging folder. A crash at any point leaves an incomplete step
+that readers ignore (no ``global.json`` or not all W manifests), never a half
+checkpoint that reads as complete.
+
+Replicas are written once: plain data-parallel copies by DP index 0 and
+TP-replicated parameters by TP index 0, unless their rule says ``average``
+(then every copy is written and the merge averages them).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from checkmate import checkpoint_format as fmt
+from checkmate.checkpoint_format import PARAM_STATE
+from checkmate.universal.extract import AtomMerger, Record, records_of_tensor
+from checkmate.universal.layout import Layout, LocalTensor, rank_holdings
+from checkmate.universal.load import _local, module_holdings, optimizer_meta
+from checkmate.universal.rank_files import read_rank_records, write_rank_file
+from checkmate.universal.spec import ReshapeSpec
+
+logger = logging.getLogger(__name__)
+
+
+def module_records(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    holdings: Mapping[str, LocalTensor],
+    layout: Layout,
+    rank: int,
+    spec: ReshapeSpec,
+) -> list[Record]:
+    """This rank's records of every parameter and optimizer state (replicas only once)."""
+    _, dp_index, tp_index = layout.coords(rank)
+    records: list[Record] = []
+    for local, parameter in module.named_parameters():
+        tensor = holdings[local]
+        rule = spec.rule(tensor.name)
+        replicated_dp = not (layout.fsdp or layout.zero) and dp_index > 0
+        replicated_tp = (rule.cat_dim is None or layout.tp == 1) and tp_index > 0
+        if (replicated_dp or replicated_tp) and not rule.average:
+            continue
+        records += records_of_tensor(tensor, PARAM_STATE, _local(parameter))
+        if optimizer is not None:
+            for key, value in optimizer.state.get(parameter, {}).items():
+                if isinstance(value, torch.Tensor):
+                    records += records_of_tensor(tensor, key, _local(value))
+    return records
+
+
+def assign_owners(shapes: Mapping[str, Sequence[int]], writers: int) -> list[list[str]]:
+    """Whole parameters to ``writers`` shard writers, largest first onto the least loaded."""
+    loads = [0] * writers
+    owners: list[list[str]] = [[] for _ in range(writers)]
+    for name in sorted(shapes, key=lambda n: (-_numel(shapes[n]), n)):
+        target = loads.index(min(loads))
+        owners[target].append(name)
+        loads[target] += _numel(shapes[name])
+    return owners
+
+
+def _numel(shape: Sequence[int]) -> int:
+    total = 1
+    for n in shape:
+        total *= n
+    return total
+
+
+def save_universal(
+    root: Path,
+    step: int,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    layout: Layout,
+    spec: ReshapeSpec,
+    shapes: Mapping[str, Sequence[int]],
+    extra: Mapping[str, Any] | None = None,
+    timeout: float = 120.0,
+) -> Path:
+    """Collective: every rank of ``layout`` calls it; returns the step's folder.
+
+    ``shapes``: every parameter's logical (universal) shape by checkpoint name.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != layout.world_size:
+        raise ValueError(f"layout {layout.describe()} has {layout.world_size} ranks, the job {world}")
+    root = Path(root)
+    staging = root / f".staging-step-{step:08d}"
+    holdings = module_holdings(module, spec, layout, rank, shapes)
+    write_rank_file(staging, rank, module_records(module, optimizer, holdings, layout, rank, spec))
+    local_names = rank_holdings(layout, spec, shapes, rank).local_names
+    name_of = {id(p): local_names[n] for n, p in module.named_parameters()}
+    meta = optimizer_meta(optimizer, name_of) if optimizer is not None else {}
+    metas: list[Any] = [None] * world
+    dist.all_gather_object(metas, meta)
+    _barrier(timeout)
+    owned = assign_owners(shapes, world)[rank]
+    merger = AtomMerger({n: shapes[n] for n in owned}, spec)
+    for source in range(world):
+        merger.add_all(read_rank_records(staging, source, owned))
+    atoms = merger.atoms() if owned else {}
+    fmt.write_shard(root, step, rank, world, atoms)
+    _barrier(timeout)
+    if rank == 0:
+        universal = {"spec": spec.to_json(), "source_layout": layout.describe()}
+        fmt.write_global(
+            root,
+            step,
+            {n: (list(s), "torch.float32") for n, s in shapes.items()},
+            _merge_meta(metas),
+            {**dict(extra or {}), "universal": universal},
+        )
+        fmt.update_latest(root, step)
+        shutil.rmtree(staging, ignore_errors=True)
+    _barrier(timeout)
+    return fmt.step_dir(root, step)
+
+
+def _merge_meta(metas: Sequence[Any]) -> dict[str, Any]:
+    """One optimizer description from every rank's (pipeline stages hold different parameters)."""
+    merged: dict[str, Any] = {}
+    for meta in metas:
+        if not meta:
+            continue
+        if not merged:
+            merged = {
+                "kind": meta["kind"],
+                "param_groups": [dict(g, params=[]) for g in meta["param_groups"]],
+            }
+        for index, group in enumerate(meta["param_groups"]):
+            held = merged["param_groups"][index]["params"]
+            held.extend(n for n in group["params"] if n not in held)
+    return merged
+
+
+def _barrier(timeout: float) -> None:
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout))
+    else:
+        dist.barrier()

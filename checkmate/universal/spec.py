@@ -1,0 +1,194 @@
+"""The declarative reshaping rules of a model, by parameter-name pattern.
+
+One :class:`ReshapeRule` per pattern (a regular expression matched against the
+fully-qualified name with ``re.fullmatch``; the first matching rule wins; a
+name no rule matches is replicated):
+
+* ``cat_dim`` — the dimension tensor parallelism splits (``None``: replicated);
+* ``parts`` — sub-parameter sizes along ``cat_dim`` for fused weights (QKV,
+  gate/up): each part is split over the TP ranks separately, so TP rank r holds
+  ``[q_r; k_r; v_r]``, not a contiguous block of the fused weight;
+* ``vocab`` — the dimension is a vocabulary padded for divisibility: the
+  universal atom keeps only the real rows, a layout adds zero rows as it needs;
+* ``average`` — copies held by several ranks may differ and are averaged on
+  extraction (e.g. norms under sequence parallelism); otherwise copies must be
+  bit-identical.
+
+Pipeline stages: parameters named like ``layer_pattern`` (default
+``layers.<i>.``) are split over the stages in order and renamed to the stage's
+local index; other names go to the first stage when they match a
+``first_stage`` pattern, else to the last.
+
+The spec is stored in ``global.json`` (``extra["universal"]["spec"]``) so a
+checkpoint carries the rules it was written with.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from checkmate.checkpoint_format import CheckpointError
+
+
+class LayoutError(CheckpointError):
+    """A layout or rule that cannot hold the checkpoint; the message names the parameter and the rule."""
+
+
+@dataclass(frozen=True)
+class ReshapeRule:
+    pattern: str
+    cat_dim: int | None = None
+    parts: tuple[int, ...] | None = None
+    vocab: bool = False
+    average: bool = False
+
+    def describe(self) -> str:
+        bits = [f"pattern {self.pattern!r}", f"cat_dim={self.cat_dim}"]
+        if self.parts:
+            bits.append(f"parts={list(self.parts)}")
+        if self.vocab:
+            bits.append("vocab")
+        if self.average:
+            bits.append("average")
+        return "rule(" + ", ".join(bits) + ")"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"pattern": self.pattern, "cat_dim": self.cat_dim}
+        if self.parts:
+            out["parts"] = list(self.parts)
+        if self.vocab:
+            out["vocab"] = True
+        if self.average:
+            out["average"] = True
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> ReshapeRule:
+        if not isinstance(data, Mapping) or not isinstance(data.get("pattern"), str):
+            raise LayoutError(f"{where}: a rule needs a 'pattern' string, got {data!r}")
+        unknown = set(data) - {"pattern", "cat_dim", "parts", "vocab", "average"}
+        if unknown:
+            raise LayoutError(f"{where}: rule {data['pattern']!r} has unknown keys {sorted(unknown)}")
+        try:
+            re.compile(data["pattern"])
+        except re.error as exc:
+            raise LayoutError(f"{where}: rule pattern {data['pattern']!r} is not a regex ({exc})") from None
+        cat_dim = data.get("cat_dim")
+        if cat_dim is not None and (not isinstance(cat_dim, int) or isinstance(cat_dim, bool) or cat_dim < 0):
+            raise LayoutError(f"{where}: rule {data['pattern']!r}: cat_dim must be a dimension index or null")
+        parts = data.get("parts")
+        if parts is not None:
+            if (
+                not isinstance(parts, list)
+                or not parts
+                or not all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in parts)
+            ):
+                raise LayoutError(f"{where}: rule {data['pattern']!r}: parts must list positive sizes")
+            parts = tuple(parts)
+        rule = cls(data["pattern"], cat_dim, parts, bool(data.get("vocab", False)), bool(data.get("average")))
+        if (rule.parts or rule.vocab) and rule.cat_dim is None:
+            raise LayoutError(f"{where}: {rule.describe()}: parts and vocab need a cat_dim")
+        if rule.parts and rule.vocab:
+            raise LayoutError(f"{where}: {rule.describe()}: a fused parameter cannot be a vocabulary")
+        return rule
+
+
+REPLICATED = ReshapeRule(pattern="(default)")
+
+
+@dataclass(frozen=True)
+class ReshapeSpec:
+    rules: tuple[ReshapeRule, ...] = ()
+    layer_pattern: str = r"layers\.(\d+)\."
+    first_stage: tuple[str, ...] = ()
+    _compiled: tuple[re.Pattern[str], ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_compiled", tuple(re.compile(r.pattern) for r in self.rules))
+
+    def rule(self, name: str) -> ReshapeRule:
+        for rule, compiled in zip(self.rules, self._compiled, strict=True):
+            if compiled.fullmatch(name):
+                return rule
+        return REPLICATED
+
+    def layer_index(self, name: str) -> tuple[int, int, int] | None:
+        """(layer, start, end) of the layer number in ``name``, or None."""
+        match = re.search(self.layer_pattern, name)
+        if not match:
+            return None
+        return int(match.group(1)), match.start(1), match.end(1)
+
+    def on_first_stage(self, name: str) -> bool:
+        return any(re.fullmatch(p, name) for p in self.first_stage)
+
+    def check_rule(self, name: str, shape: Sequence[int]) -> ReshapeRule:
+        """The rule for ``name``, checked against the parameter's logical ``shape``."""
+        rule = self.rule(name)
+        if rule.cat_dim is not None and rule.cat_dim >= len(shape):
+            raise LayoutError(f"{name}: {rule.describe()} but the parameter has {len(shape)} dimensions")
+        if rule.parts and sum(rule.parts) != shape[rule.cat_dim or 0]:
+            raise LayoutError(
+                f"{name}: {rule.describe()}: the parts add up to {sum(rule.parts)}, "
+                f"dim {rule.cat_dim} has {shape[rule.cat_dim or 0]}"
+            )
+        return rule
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rules": [r.to_json() for r in self.rules],
+            "layer_pattern": self.layer_pattern,
+            "first_stage": list(self.first_stage),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "spec") -> ReshapeSpec:
+        if not isinstance(data, Mapping) or not isinstance(data.get("rules", []), list):
+            raise LayoutError(f"{where}: expected an object with a 'rules' list")
+        unknown = set(data) - {"rules", "layer_pattern", "first_stage"}
+        if unknown:
+            raise LayoutError(f"{where}: unknown keys {sorted(unknown)}")
+        layer_pattern = data.get("layer_pattern", r"layers\.(\d+)\.")
+        first_stage = data.get("first_stage", [])
+        if not isinstance(layer_pattern, str) or not isinstance(first_stage, list):
+            raise LayoutError(f"{where}: layer_pattern must be a string and first_stage a list")
+        try:
+            if re.compile(layer_pattern).groups < 1:
+                raise LayoutError(f"{where}: layer_pattern needs one group capturing the layer number")
+        except re.error as exc:
+            raise LayoutError(f"{where}: layer_pattern is not a regex ({exc})") from None
+        rules = tuple(ReshapeRule.from_json(r, where) for r in data.get("rules", []))
+        return cls(rules, layer_pattern, tuple(str(p) for p in first_stage))
+
+    @classmethod
+    def load(cls, path: Path) -> ReshapeSpec:
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise LayoutError(f"{path}: cannot read the reshape spec ({exc})") from None
+        return cls.from_json(data, str(path))
+
+
+def spec_of_checkpoint(global_state: Mapping[str, Any]) -> ReshapeSpec | None:
+    """The spec a checkpoint was written with (``extra["universal"]["spec"]``), or None."""
+    extra = global_state.get("extra")
+    universal = extra.get("universal") if isinstance(extra, Mapping) else None
+    if not isinstance(universal, Mapping) or "spec" not in universal:
+        return None
+    return ReshapeSpec.from_json(universal["spec"], "global.json extra.universal.spec")
+
+
+def check_compatible(saved: ReshapeSpec, target: ReshapeSpec, names: Sequence[str]) -> None:
+    """A target spec must split fused parameters the way they were saved."""
+    for name in names:
+        before, after = saved.rule(name), target.rule(name)
+        if before.parts != after.parts:
+            raise LayoutError(
+                f"{name}: saved with sub-parameter rule {before.describe()}, the target spec has "
+                f"{after.describe()}; a fused parameter needs the same parts to be split correctly"
+            )
