@@ -80,11 +80,14 @@ class JobState:
 
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
-        return {name: self._tensor(ref, f"buffer {name}") for name, ref in self.document.get("buffers", {}).items()}
+        return {
+            name: self._tensor(ref, f"buffer {name}")
+            for name, ref in self.document.get("buffers", {}).items()
+        }
 
     @property
     def stateful(self) -> dict[str, Any]:
-        """Each stateful object's state dict, decoded (tensors are this state's tensors: clone before changing)."""
+        """Each stateful object's state dict, decoded (its tensors are this state's: clone to change)."""
         return {
             name: _decode(value, self.tensors, f"stateful object {name!r}")
             for name, value in self.document.get("stateful", {}).items()
@@ -178,7 +181,7 @@ def _decode(value: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
     if not isinstance(value, dict):
         return value
     if len(value) == 1:
-        (tag, inner), = value.items()
+        ((tag, inner),) = value.items()
         if tag == "__tensor__":
             if not isinstance(inner, str) or inner not in tensors:
                 raise JobStateError(f"{where}: tensor {inner!r} is missing from the job state")
@@ -212,7 +215,9 @@ def stateful_state(name: str, obj: Any) -> Any:
     try:
         return method()
     except Exception as exc:  # noqa: BLE001 - a user's object may raise anything; name it
-        raise JobStateError(f"stateful object {name!r}: state_dict() raised {type(exc).__name__}: {exc}") from exc
+        raise JobStateError(
+            f"stateful object {name!r}: state_dict() raised {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -268,12 +273,16 @@ def load_stateful(objects: Mapping[str, Any], state: JobState) -> None:
     saved = state.stateful
     missing = sorted(set(objects) - set(saved))
     if missing:
-        raise JobStateError(f"the checkpoint holds no state for stateful object(s) {missing}; it has {sorted(saved)}")
+        raise JobStateError(
+            f"the checkpoint holds no state for stateful object(s) {missing}; it has {sorted(saved)}"
+        )
     for name, obj in objects.items():
         try:
             obj.load_state_dict(_cloned(saved[name]))
         except Exception as exc:  # noqa: BLE001 - name the object whatever it raised
-            raise JobStateError(f"stateful object {name!r}: load_state_dict() raised {type(exc).__name__}: {exc}") from exc
+            raise JobStateError(
+                f"stateful object {name!r}: load_state_dict() raised {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 def _cloned(value: Any) -> Any:
