@@ -3,6 +3,7 @@
 #   make test    setup + the test suite (root-only tests skip when not root; BMv2/p4c ones when absent)
 #   make demo    setup + the end-to-end demo (root; DEMO_ARGS="--help" for its options)
 #   make p4      compile p4src/ with p4c (BMv2) into build/ when p4c is installed
+#   make p4-tofino  compile p4src/tna/ with the open-source Tofino compiler into build/tofino/ (TOFINO_TARGET=tofino2)
 #   make lint    ruff + mypy
 #   make bench   the checkpointing systems side by side (root; results/bench.json, docs/benchmarks.md)
 #   make bench-switch / bench-hosts / bench-shadow   component benchmarks (switch and hosts need root)
@@ -24,10 +25,10 @@ BUILD := build
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: help setup system-packages test demo p4 lint bench bench-switch bench-hosts bench-shadow reliability soak clean
+.PHONY: help setup system-packages test demo p4 p4-tofino lint bench bench-switch bench-hosts bench-shadow reliability soak clean
 
 help:
-	@sed -n '1,9p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '1,10p' Makefile | sed 's/^# \{0,1\}//'
 
 setup: system-packages $(STAMP)
 
@@ -77,6 +78,20 @@ p4:
 	  --p4runtime-files $(BUILD)/v1model/checkmate.p4info.txtpb \
 	  -o $(BUILD)/v1model p4src/v1model/checkmate.p4
 	@echo "make p4: wrote $(BUILD)/v1model/checkmate.json and checkmate.p4info.txtpb"
+
+# Tofino 1 (tna) or Tofino 2 (t2na): p4c-barefoot to .bfa, bfas to the binary, then a resource summary.
+TOFINO_TARGET ?= tofino
+
+p4-tofino:
+	@if ! command -v p4c-barefoot >/dev/null 2>&1 || ! command -v bfas >/dev/null 2>&1; then \
+	  echo "make p4-tofino: the open-source Tofino compiler (p4c-barefoot, bfas) is not on PATH;"; \
+	  echo "  bash ../shared/p4-tofino/install.sh && export PATH=/opt/p4-tofino/bin:\$$PATH (docs/tofino.md)."; \
+	  echo "  p4src/tna/checkmate.tofino.p4info.txtpb is committed."; \
+	  exit 1; \
+	fi
+	$(PYTHON) -m tests.tofino_build --target $(TOFINO_TARGET) --out $(BUILD)/$(TOFINO_TARGET) \
+	  --json $(BUILD)/$(TOFINO_TARGET)/resources-summary.json
+	@echo "make p4-tofino: wrote $(BUILD)/$(TOFINO_TARGET)/pipe/ (checkmate.bfa, context.json, the binary) and checkmate.p4info.txtpb"
 
 BENCH_ARGS ?=
 

@@ -5,7 +5,9 @@ The controller speaks in unqualified names (``route_ipv4``, ``forward``,
 output says ``CheckmateIngress.route_ipv4`` with alias ``route_ipv4``; TNA's
 says ``pipe.CheckmateIngress.route_ipv4``. A name resolves if it equals an
 object's full name, its alias, or the last dotted component of either, and
-exactly one object of that kind matches.
+exactly one object of that kind matches. Counters are read from
+``P4Info.counters`` and, for the Tofino compiler's TNA P4Info, from its
+``Counter`` externs (:mod:`controller.tofino_p4info`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pathlib import Path
 
 from google.protobuf import text_format
 from p4.config.v1 import p4info_pb2
+
+from controller.tofino_p4info import tofino_counters
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +48,11 @@ def short_name(name: str) -> str:
 
 
 def load_p4info(path: str | Path) -> p4info_pb2.P4Info:
-    """Parse a P4Info file (text format, or binary if it does not parse as text)."""
+    """Parse a P4Info file (text format, or binary if it does not parse as text).
+
+    Text P4Infos of TNA programs carry ``barefoot.*`` extern messages; importing
+    :mod:`controller.tofino_p4info` (above) lets the text parser expand them.
+    """
     data = Path(path).read_bytes()
     info = p4info_pb2.P4Info()
     try:
@@ -62,10 +70,12 @@ class P4InfoNames:
         self.p4info = p4info
         self._tables = {t.preamble.id: t for t in p4info.tables}
         self._actions = {a.preamble.id: a for a in p4info.actions}
-        self._counters = {c.preamble.id: c for c in p4info.counters}
+        self._counter_sizes = {c.preamble.id: int(c.size) for c in p4info.counters}
+        tna_counters = tofino_counters(p4info)
+        self._counter_sizes.update({c.preamble.id: c.size for c in tna_counters})
         self._table_ids = self._index("table", p4info.tables)
         self._action_ids = self._index("action", p4info.actions)
-        self._counter_ids = self._index("counter", p4info.counters)
+        self._counter_ids = self._index("counter", [*p4info.counters, *tna_counters])
 
     @staticmethod
     def _index(kind: str, objects: Iterable[object]) -> dict[str, list[int]]:
@@ -125,7 +135,7 @@ class P4InfoNames:
         return int(self._tables[self.table_id(table)].size)
 
     def counter_size(self, counter: str) -> int:
-        return int(self._counters[self.counter_id(counter)].size)
+        return self._counter_sizes[self.counter_id(counter)]
 
     # ---- id -> name ---------------------------------------------------------------
     def table_name(self, table_id: int) -> str:

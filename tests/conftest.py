@@ -17,6 +17,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "root" in item.keywords and not is_root:
             item.add_marker(pytest.mark.skip(reason="needs root (network namespaces, AF_PACKET)"))
         if "bmv2" in item.keywords and not have_bmv2:
+    have_tofino = shutil.which("p4c-barefoot") is not None and shutil.which("bfas") is not None
             item.add_marker(pytest.mark.skip(reason="simple_switch_grpc (BMv2) is not installed"))
         if "p4c" in item.keywords and not have_p4c:
             item.add_marker(pytest.mark.skip(reason="p4c is not installed"))
@@ -25,6 +26,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _cuda_available() -> bool:
+        if "tofino" in item.keywords and not have_tofino:
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="the Tofino compiler (p4c-barefoot, bfas) is not on PATH: "
+                    "bash ../shared/p4-tofino/install.sh (docs/tofino.md)"
+                )
+            )
     try:
         import torch
     except ImportError:

@@ -1,0 +1,135 @@
+"""The controller drives the TNA program's P4Info as the Tofino compiler writes it.
+
+p4src/tna/checkmate.tofino.p4info.txtpb is p4c-barefoot's own output (``make p4-tofino``;
+tests/test_p4_tofino.py checks that it still is). Its tables and counters say
+``pipe.CheckmateIngress...``, its actions ``CheckmateIngress...``, and its counters are
+Tofino ``Counter`` externs, not P4Info ``counters``. Every entry and group the controller
+plans for a job must encode against it with the same names and widths as against the
+v1model P4Info.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from p4.config.v1 import p4info_pb2
+
+from checkmate.job import JobSpec
+from checkmate.network import Network
+from controller.counters import JOB_COUNTERS
+from controller.entities import EntityCodec, MulticastGroup, TableEntry
+from controller.jobs import Taken, allocate, plan_entities
+from controller.p4info_names import P4InfoNameError, P4InfoNames, load_p4info
+from controller.pipeline import DEFAULT_P4INFO
+from controller.tofino_p4info import tofino_counters
+from tests.controller.conftest import TOPOLOGIES
+
+TOFINO_P4INFO = Path(__file__).resolve().parents[2] / "p4src" / "tna" / "checkmate.tofino.p4info.txtpb"
+DROP_COUNTERS = ("ingress_drops", "egress_drops")
+
+
+@pytest.fixture(scope="module")
+def tofino() -> P4InfoNames:
+    return P4InfoNames(load_p4info(TOFINO_P4INFO))
+
+
+@pytest.fixture(scope="module")
+def v1model() -> P4InfoNames:
+    return P4InfoNames(load_p4info(DEFAULT_P4INFO))
+
+
+def test_the_committed_file_is_the_tofino_compilers_form() -> None:
+    info = load_p4info(TOFINO_P4INFO)
+    assert info.pkg_info.arch == "tna"
+    assert {t.preamble.name for t in info.tables} == {
+        "pipe.CheckmateIngress.route_ipv4",
+        "pipe.CheckmateIngress.lookup_job",
+        "pipe.CheckmateIngress.replicate_to_shadow",
+        "pipe.CheckmateEgress.rewrite_shadow_copy",
+    }
+    assert not info.counters  # counters are Tofino externs here
+    assert {c.preamble.name: (c.size, c.unit) for c in tofino_counters(info)} == {
+        "pipe.CheckmateIngress.ingress_drops": (8, "PACKETS"),
+        "pipe.CheckmateIngress.rejected_replications": (256, "PACKETS_AND_BYTES"),
+        "pipe.CheckmateEgress.shadow_copies": (256, "PACKETS_AND_BYTES"),
+        "pipe.CheckmateEgress.egress_drops": (8, "PACKETS"),
+    }
+
+
+def test_every_name_and_width_the_controller_uses_matches_v1model(
+    tofino: P4InfoNames, v1model: P4InfoNames
+) -> None:
+    for table in ("route_ipv4", "lookup_job", "replicate_to_shadow", "rewrite_shadow_copy"):
+        assert tofino.table_id(table) != v1model.table_id(table)  # other names, other ids
+        assert [(f.name, f.bitwidth, f.match_type) for f in tofino.match_fields(table)] == [
+            (f.name, f.bitwidth, f.match_type) for f in v1model.match_fields(table)
+        ]
+        assert tofino.table_size(table) == v1model.table_size(table)
+    for action in ("forward", "set_job_slot", "set_multicast_group", "set_shadow_destination"):
+        assert [(p, tofino.param(action, p).bitwidth) for p in tofino.param_names(action)] == [
+            (p, v1model.param(action, p).bitwidth) for p in v1model.param_names(action)
+        ]
+    for counter in (*JOB_COUNTERS, *DROP_COUNTERS):
+        assert tofino.counter_id(counter) >> 24 == 0x83  # barefoot P4Ids COUNTER prefix
+        assert tofino.counter_size(counter) == v1model.counter_size(counter)
+    # The Tofino-only tables are @hidden: nothing the controller could write by mistake.
+    for hidden in ("verify_checkmate_header", "measure_payload"):
+        with pytest.raises(P4InfoNameError, match=f"no table named '{hidden}'"):
+            tofino.table_id(hidden)
+
+
+@pytest.mark.parametrize("topology", ["single", "leafspine"])
+def test_a_jobs_entries_and_groups_encode_against_the_tofino_p4info(
+    topology: str, tofino: P4InfoNames, v1model: P4InfoNames
+) -> None:
+    network = Network.load(TOPOLOGIES / f"{topology}.json")
+    record = allocate(
+        network, JobSpec(7, ("h1", "h2", "h3", "h4"), ("sh1", "sh2")), Taken(groups={}, rids={}, slots=())
+    )
+    plan = plan_entities(network, record)
+    tofino_codec, v1model_codec = EntityCodec(tofino), EntityCodec(v1model)
+    tables: set[str] = set()
+    groups = 0
+    for entities in plan.values():
+        for entity in entities.values():
+            message = tofino_codec.to_entity(entity)
+            assert tofino_codec.from_entity(message) == entity
+            if isinstance(entity, MulticastGroup):
+                groups += 1
+                assert message == v1model_codec.to_entity(entity)
+                continue
+            assert isinstance(entity, TableEntry)
+            tables.add(entity.table)
+            reference = v1model_codec.to_entity(entity).table_entry
+            entry = message.table_entry
+            assert entry.table_id == tofino.table_id(entity.table)
+            # Same match and parameter bytes; only the ids differ.
+            assert [m.exact.value or m.lpm.value for m in entry.match] == [
+                m.exact.value or m.lpm.value for m in reference.match
+            ]
+            assert [p.value for p in entry.action.action.params] == [
+                p.value for p in reference.action.action.params
+            ]
+    assert tables == {"lookup_job", "replicate_to_shadow", "rewrite_shadow_copy"}
+    assert groups == sum(1 for key in record.groups)
+
+
+def test_a_value_too_wide_for_a_tofino_field_is_refused(tofino: P4InfoNames) -> None:
+    codec = EntityCodec(tofino)
+    entry = TableEntry.make(
+        "replicate_to_shadow",
+        {"job_id": 7, "ingress_port": 512, "shard_key": 0, "next_hop_port": 2},
+        "set_multicast_group",
+        {"group": 1},
+    )
+    with pytest.raises(ValueError, match="does not fit in 9 bits"):
+        codec.to_entity(entry)
+
+
+def test_a_counter_extern_with_foreign_info_is_a_clear_error() -> None:
+    info = load_p4info(TOFINO_P4INFO)
+    counters = next(e for e in info.externs if e.extern_type_name == "Counter")
+    counters.instances[0].info.Pack(p4info_pb2.PkgInfo(arch="tna"))
+    with pytest.raises(ValueError, match="not barefoot.Counter"):
+        P4InfoNames(info)
