@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from checkmate.tensors import payload_tensor
+from checkmate.tensors import payload_tensor, torch_dtype
 from checkmate.wire import CheckmateHeader, DType, MessageType
 from shadow.optimizer_apply import StepRecord
 from shadow.reassembly import BucketAssembly, PlaceResult, ReassemblyError
@@ -44,6 +44,8 @@ class BucketLayout:
     bucket_id: int
     numel: int
     parameters: tuple[ParameterSlot, ...]
+    dtype: torch.dtype = torch.float32
+    """The bucket's element type (the gradients' dtype: fp32, or bf16/fp16 for such a model)."""
 
 
 class DropReason(enum.Enum):
@@ -104,7 +106,9 @@ class IterationWindow:
     def _iteration(self, iteration: int) -> PendingIteration:
         pending = self.pending.get(iteration)
         if pending is None:
-            buckets = {b: BucketAssembly(self.layouts[b].numel) for b in sorted(self.owned)}
+            buckets = {
+                b: BucketAssembly(self.layouts[b].numel, self.layouts[b].dtype) for b in sorted(self.owned)
+            }
             pending = self.pending[iteration] = PendingIteration(iteration, buckets)
         return pending
 
@@ -127,7 +131,7 @@ class IterationWindow:
             return self._drop(DropReason.NOT_DATA)
         if header.bucket_id not in self.owned:
             return self._drop(DropReason.NOT_OWNED)
-        if header.dtype is not DType.FP32:
+        if header.dtype is DType.NONE or torch_dtype(header.dtype) != self.layouts[header.bucket_id].dtype:
             return self._drop(DropReason.WRONG_DTYPE)
         refused = self.admits(header.iteration)
         if refused is not None:

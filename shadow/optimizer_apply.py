@@ -6,9 +6,18 @@ record (learning rate per group, clipping coefficient, skip flag), and applies
 exactly what the workers did: multiply by the clipping coefficient as
 ``torch.nn.utils.clip_grad_norm_`` does, set each group's learning rate, then
 ``step()`` of the same ``torch.optim`` class with the same hyperparameters
-(foreach/fused choices included). Element-wise optimizers do not care which
-other parameters share the step, so on the same CPU type the shard's weights
-and optimizer state equal the workers' bit for bit.
+(foreach/fused choices included). The class is the workers' own, imported by
+module and qualified name (:mod:`checkmate.optimizers`): any ``torch.optim``
+optimizer without a closure, or a user's importable class. torch.optim steps
+each parameter on its own (foreach and fused kernels included), so on the same
+CPU type the shard's weights and optimizer state equal the workers' bit for bit.
+
+Exactly as the workers: parameters whose gradient was None at the workers' step
+(unused in forward, ``set_to_none``) get no gradient and are skipped by
+torch.optim; gradient multiplications between the all-reduce and the step
+(``GradScaler.unscale_``'s inverse scale, ``clip_grad_norm_``'s coefficient) are
+replayed in the order the workers made them, with the same factor dtype.
+Parameters in no param group are held but never stepped.
 """
 
 from __future__ import annotations
@@ -21,13 +30,20 @@ from typing import Any
 
 import torch
 
+from checkmate.optimizers import OptimizerReplayError, optimizer_class
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
-    "SGD": torch.optim.SGD,
-    "Adam": torch.optim.Adam,
-    "AdamW": torch.optim.AdamW,
-}
+    name: getattr(torch.optim, name)
+    for name in (
+        "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop",
+        "Adafactor", "Muon",
+    )
+    if hasattr(torch.optim, name)
+}  # fmt: skip
+"""The torch.optim classes tested bit for bit (tests/shadow/test_optimizer_apply.py); any other
+class importable on the shadow is replayed too (:func:`checkmate.optimizers.optimizer_class`)."""
 
 
 class OptimizerSpecError(ValueError):
@@ -42,6 +58,9 @@ class OptimizerSpec:
     param_groups: Sequence[Mapping[str, Any]]
     """Each group: the hyperparameters of ``optimizer.param_groups[i]`` and ``"params"``,
     the fully-qualified names of its parameters."""
+    module: str | None = None
+    qualname: str | None = None
+    """Where the class lives (None: ``kind`` in torch.optim, as before they travelled)."""
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> OptimizerSpec:
@@ -51,7 +70,25 @@ class OptimizerSpec:
             hyper = {k: _plain(v) for k, v in group.items() if k != "params"}
             hyper["params"] = [names[id(p)] for p in group["params"]]
             groups.append(hyper)
-        return cls(type(optimizer).__name__, groups)
+        kind = type(optimizer)
+        return cls(kind.__name__, groups, kind.__module__, kind.__qualname__)
+
+    @classmethod
+    def from_json(cls, description: Mapping[str, Any]) -> OptimizerSpec:
+        """From a JobStart's (or a checkpoint's) optimizer description."""
+        return cls(
+            description["kind"],
+            description["param_groups"],
+            description.get("module"),
+            description.get("qualname"),
+        )
+
+    def class_fields(self) -> dict[str, Any]:
+        """``kind`` (and ``module``/``qualname`` when known) for a description of this optimizer."""
+        out: dict[str, Any] = {"kind": self.kind}
+        if self.module is not None and self.qualname is not None:
+            out.update(module=self.module, qualname=self.qualname)
+        return out
 
 
 def _plain(value: Any) -> Any:
@@ -75,42 +112,68 @@ class StepRecord:
     """The loss scaler found inf/nan: the workers skipped ``step()``."""
     hyperparameters: Sequence[Mapping[str, Any]] = field(default_factory=tuple)
     """Other per-group hyperparameters that changed this iteration (e.g. momentum)."""
+    no_grad: frozenset[str] = frozenset()
+    """Parameters whose gradient was None at the workers' step: torch.optim skipped them."""
+    gradient_scaling: Sequence[GradientScaling] = ()
+    """In-place multiplications of the gradients, in order; when given, ``clip_coefficient`` is ignored."""
+
+
+@dataclass(frozen=True)
+class GradientScaling:
+    """One in-place multiplication of gradients the workers made between the all-reduce and the step."""
+
+    by: str
+    """``"unscale"`` (GradScaler's inverse scale) or ``"clip"`` (clip_grad_norm_'s clamped coefficient)."""
+    factor: float
+    dtype: torch.dtype = torch.float32
+    """The factor's dtype as the workers multiplied by it (a 0-d tensor of this dtype)."""
+    params: frozenset[str] | None = None
+    """The parameters it applied to (None: every parameter with a gradient)."""
 
 
 class ShadowOptimizer:
     """The parameters a shadow owns, and the optimizer that updates them."""
 
     def __init__(self, initial: Mapping[str, torch.Tensor], spec: OptimizerSpec, owned: set[str]) -> None:
-        optimizer_class = SUPPORTED_OPTIMIZERS.get(spec.kind)
-        if optimizer_class is None:
-            raise OptimizerSpecError(
-                f"optimizer {spec.kind!r} is not supported; supported: {sorted(SUPPORTED_OPTIMIZERS)}"
+        try:
+            optimizer_cls = optimizer_class(
+                {"kind": spec.kind, "module": spec.module, "qualname": spec.qualname}
             )
+        except OptimizerReplayError as exc:
+            raise OptimizerSpecError(f"optimizer {spec.kind!r} is not supported: {exc}") from None
         unknown = sorted(owned - set(initial))
         if unknown:
             raise OptimizerSpecError(f"owned parameters {unknown} are not in the model")
         self.spec = spec
+        # The workers' dtype (fp32, or bf16/fp16 for a low-precision model): the step is theirs.
         self.parameters: dict[str, torch.Tensor] = {
-            name: initial[name].detach().clone().float() for name in sorted(owned)
+            name: initial[name].detach().clone() for name in sorted(owned)
         }
         self._group_of: dict[str, int] = {}
-        allowed = set(optimizer_class([torch.zeros(1, requires_grad=True)]).defaults) | {"initial_lr"}
-        constructor_args = set(inspect.signature(optimizer_class).parameters) - {"self", "params"}
+        try:
+            probe: torch.optim.Optimizer | None = optimizer_cls(
+                [torch.zeros(2, 2, requires_grad=True)]  # type: ignore[call-arg]
+            )
+        except (TypeError, ValueError, RuntimeError):
+            probe = None  # a user's class that needs more than params: its groups are not pre-checked
+        allowed = (set(probe.defaults) | {"initial_lr"}) if probe is not None else None
+        constructor_args = set(inspect.signature(optimizer_cls).parameters) - {"self", "params"}
         groups = []
         for index, group in enumerate(spec.param_groups):
             hyper: dict[str, Any] = {
                 k: (tuple(v) if isinstance(v, list) else v) for k, v in group.items() if k != "params"
             }
-            unexpected = sorted(set(hyper) - allowed)
+            unexpected = sorted(set(hyper) - allowed) if allowed is not None else []
             if unexpected:
                 raise OptimizerSpecError(f"{spec.kind} has no hyperparameter(s) {unexpected}")
             if not isinstance(hyper.get("lr", 0.0), (int, float)) or hyper.get("lr", 0.0) < 0:
                 raise OptimizerSpecError(f"param group {index}: learning rate {hyper.get('lr')!r} is invalid")
             try:  # the constructor validates its defaults: validate each group the same way
-                optimizer_class(
-                    [torch.zeros(1, requires_grad=True)],
-                    **{k: v for k, v in hyper.items() if k in constructor_args},
-                )
+                if probe is not None:
+                    optimizer_cls(
+                        [torch.zeros(2, 2, requires_grad=True)],
+                        **{k: v for k, v in hyper.items() if k in constructor_args},
+                    )
             except (TypeError, ValueError) as exc:
                 raise OptimizerSpecError(f"{spec.kind} rejects param group {index}: {exc}") from exc
             params = [self.parameters[n] for n in group["params"] if n in self.parameters]
@@ -118,11 +181,13 @@ class ShadowOptimizer:
                 if n in self.parameters:
                     self._group_of[n] = index
             groups.append({**hyper, "params": params})
-        missing = sorted(set(self.parameters) - set(self._group_of))
-        if missing:
-            raise OptimizerSpecError(f"owned parameters {missing} are in no param group")
+        self.unoptimized = frozenset(set(self.parameters) - set(self._group_of))
+        """Owned parameters in no param group: the workers never step them (held, never changed)."""
+        # The first group's hyperparameters as the constructor's defaults too: some constructors
+        # initialise state from their arguments (Adagrad's initial_accumulator_value).
+        defaults = {k: v for k, v in groups[0].items() if k in constructor_args} if groups else {}
         try:
-            self.optimizer = optimizer_class(groups)
+            self.optimizer = optimizer_cls(groups, **defaults)
         except (TypeError, ValueError) as exc:
             raise OptimizerSpecError(f"{spec.kind} rejects the hyperparameters: {exc}") from exc
         self.iteration = -1
@@ -139,12 +204,22 @@ class ShadowOptimizer:
                 f"{len(self.optimizer.param_groups)} param groups"
             )
         for name, parameter in self.parameters.items():
-            parameter.grad = gradients[name].view_as(parameter)
-        if step.clip_coefficient is not None:
-            coefficient = torch.tensor(step.clip_coefficient, dtype=torch.float32)
-            for parameter in self.parameters.values():
-                assert parameter.grad is not None
-                parameter.grad.mul_(coefficient)
+            if name in step.no_grad or name in self.unoptimized:
+                parameter.grad = None  # torch.optim skips a parameter without a gradient
+            else:
+                gradient = gradients[name].view_as(parameter)
+                # e.g. a bf16-compressed bucket of an fp32 model: the workers copied it back the same way
+                parameter.grad = (
+                    gradient if gradient.dtype == parameter.dtype else gradient.to(parameter.dtype)
+                )
+        scaling = list(step.gradient_scaling)
+        if not scaling and step.clip_coefficient is not None:
+            scaling = [GradientScaling("clip", step.clip_coefficient)]
+        for operation in scaling:
+            factor = torch.tensor(operation.factor, dtype=operation.dtype)
+            for name, parameter in self.parameters.items():
+                if parameter.grad is not None and (operation.params is None or name in operation.params):
+                    parameter.grad.mul_(factor)
         for index, (group, lr) in enumerate(
             zip(self.optimizer.param_groups, step.learning_rates, strict=True)
         ):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from checkmate.optimizers import pin_implementation
 from shadow.optimizer_apply import OptimizerSpec, OptimizerSpecError, ShadowOptimizer, StepRecord
 
 torch.set_num_threads(1)
@@ -23,6 +24,45 @@ OPTIMIZERS: dict[str, Callable[[list[dict]], torch.optim.Optimizer]] = {
     "adamw-amsgrad": lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.05, amsgrad=True),
     "sgd-maximize": lambda g: torch.optim.SGD(g, lr=0.05, momentum=0.9, maximize=True),
     "adam-maximize": lambda g: torch.optim.Adam(g, lr=1e-2, maximize=True),
+    "adamax-wd-maximize": lambda g: torch.optim.Adamax(g, lr=1e-2, weight_decay=1e-3, maximize=True),
+    "nadam-decoupled": lambda g: torch.optim.NAdam(
+        g, lr=1e-2, weight_decay=1e-3, momentum_decay=5e-3, decoupled_weight_decay=True
+    ),
+    "nadam-maximize": lambda g: torch.optim.NAdam(g, lr=1e-2, weight_decay=1e-3, maximize=True),
+    "radam-decoupled": lambda g: torch.optim.RAdam(
+        g, lr=1e-2, weight_decay=1e-3, decoupled_weight_decay=True
+    ),
+    "radam-maximize": lambda g: torch.optim.RAdam(g, lr=1e-2, maximize=True),
+    "rmsprop-centered-momentum": lambda g: torch.optim.RMSprop(
+        g, lr=1e-2, alpha=0.9, momentum=0.5, centered=True, weight_decay=1e-3
+    ),
+    "rmsprop-maximize": lambda g: torch.optim.RMSprop(g, lr=1e-2, maximize=True),
+    "adagrad-decay": lambda g: torch.optim.Adagrad(
+        g, lr=0.05, lr_decay=1e-2, weight_decay=1e-3, initial_accumulator_value=0.1
+    ),
+    "adagrad-maximize": lambda g: torch.optim.Adagrad(g, lr=0.05, maximize=True),
+    "adadelta-wd": lambda g: torch.optim.Adadelta(g, lr=0.5, rho=0.8, weight_decay=1e-3, maximize=True),
+    "asgd-early-averaging": lambda g: torch.optim.ASGD(
+        g, lr=1e-2, lambd=1e-3, alpha=0.7, t0=2, weight_decay=1e-3
+    ),
+    "asgd-maximize": lambda g: torch.optim.ASGD(g, lr=1e-2, maximize=True),
+    "rprop-etas": lambda g: torch.optim.Rprop(g, lr=1e-2, etas=(0.4, 1.3), step_sizes=(1e-5, 1.0)),
+    "rprop-maximize": lambda g: torch.optim.Rprop(g, lr=1e-2, maximize=True),
+    "adafactor": lambda g: torch.optim.Adafactor(g, lr=1e-2, weight_decay=1e-3),
+    "sgd-foreach": lambda g: torch.optim.SGD(g, lr=0.05, momentum=0.9, nesterov=True, foreach=True),
+    "adam-foreach-amsgrad": lambda g: torch.optim.Adam(g, lr=1e-2, amsgrad=True, foreach=True),
+    "rmsprop-foreach": lambda g: torch.optim.RMSprop(g, lr=1e-2, momentum=0.5, centered=True, foreach=True),
+    "asgd-foreach": lambda g: torch.optim.ASGD(g, lr=1e-2, t0=2, foreach=True),
+    "rprop-foreach": lambda g: torch.optim.Rprop(g, lr=1e-2, foreach=True),
+    "nadam-foreach": lambda g: torch.optim.NAdam(g, lr=1e-2, foreach=True),
+    "radam-foreach": lambda g: torch.optim.RAdam(g, lr=1e-2, foreach=True),
+    "adamax-foreach": lambda g: torch.optim.Adamax(g, lr=1e-2, foreach=True),
+    "adadelta-foreach": lambda g: torch.optim.Adadelta(g, lr=0.5, foreach=True),
+    "adagrad-foreach": lambda g: torch.optim.Adagrad(g, lr=0.05, foreach=True),
+    "adam-fused": lambda g: torch.optim.Adam(g, lr=1e-2, fused=True),
+    "adamw-fused-amsgrad": lambda g: torch.optim.AdamW(g, lr=1e-2, amsgrad=True, fused=True),
+    "sgd-fused-momentum": lambda g: torch.optim.SGD(g, lr=0.05, momentum=0.9, fused=True),
+    "adagrad-fused": lambda g: torch.optim.Adagrad(g, lr=0.05, fused=True),
 }
 
 
@@ -41,6 +81,7 @@ def test_two_shards_equal_the_workers_bit_for_bit(kind: str) -> None:
         {"params": [params["2.weight"], params["2.bias"]], "lr": 3e-3},
     ]
     optimizer = OPTIMIZERS[kind](groups)
+    pin_implementation(optimizer)  # what enable_checkmate does: foreach explicit on both sides
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     spec = OptimizerSpec.from_optimizer(optimizer, names)
     initial = {n: p.detach().clone() for n, p in worker.named_parameters()}
@@ -77,13 +118,19 @@ def test_two_shards_equal_the_workers_bit_for_bit(kind: str) -> None:
 def test_unsupported_or_inconsistent_specs_are_refused() -> None:
     worker = model()
     initial = {n: p.detach() for n, p in worker.named_parameters()}
-    spec = OptimizerSpec("Adagrad", [{"params": list(initial), "lr": 0.1}])
-    with pytest.raises(OptimizerSpecError, match="not supported"):
+    spec = OptimizerSpec("LBFGS", [{"params": list(initial), "lr": 0.1}])
+    with pytest.raises(OptimizerSpecError, match="needs a closure"):
+        ShadowOptimizer(initial, spec, {"0.bias"})
+    spec = OptimizerSpec("Nope", [{"params": list(initial), "lr": 0.1}])
+    with pytest.raises(OptimizerSpecError, match="not a torch.optim optimizer"):
+        ShadowOptimizer(initial, spec, {"0.bias"})
+    spec = OptimizerSpec("X", [{"params": list(initial), "lr": 0.1}], "no_such_module_here", "X")
+    with pytest.raises(OptimizerSpecError, match="cannot import module 'no_such_module_here'"):
         ShadowOptimizer(initial, spec, {"0.bias"})
     with pytest.raises(OptimizerSpecError, match="not in the model"):
         ShadowOptimizer(initial, OptimizerSpec("SGD", [{"params": ["x"], "lr": 0.1}]), {"x"})
-    with pytest.raises(OptimizerSpecError, match="in no param group"):
-        ShadowOptimizer(initial, OptimizerSpec("SGD", [{"params": ["0.bias"], "lr": 0.1}]), {"0.weight"})
+    held = ShadowOptimizer(initial, OptimizerSpec("SGD", [{"params": ["0.bias"], "lr": 0.1}]), {"0.weight"})
+    assert held.unoptimized == {"0.weight"}  # in no param group: held, never stepped
     with pytest.raises(OptimizerSpecError, match="learning rate -1.0 is invalid"):
         ShadowOptimizer(initial, OptimizerSpec("SGD", [{"params": ["0.bias"], "lr": -1.0}]), {"0.bias"})
     with pytest.raises(OptimizerSpecError, match="no hyperparameter"):
