@@ -87,7 +87,15 @@ def export_safetensors(reader: CheckpointReader, output: Path, max_shard_bytes: 
 
 
 def export_deepspeed_universal(reader: CheckpointReader, output: Path, tag: str | None = None) -> Path:
-    """Write DeepSpeed's universal checkpoint layout under ``output/<tag>``; returns that folder."""
+    """Write DeepSpeed's universal checkpoint layout under ``output/<tag>``; returns that folder.
+
+    Each file carries the TP re-slicing keys DeepSpeed's loader reads (``cat_dim``,
+    ``vocab_tensor``, ``param_n_sub_params``) from the checkpoint's reshape spec, if any.
+    """
+    from checkmate.universal.interop import deepspeed_metadata
+    from checkmate.universal.spec import spec_of_checkpoint
+
+    spec = spec_of_checkpoint(reader.global_state)
     tag = tag or f"global_step{reader.step}_universal"
     folder = output / tag
     zero = folder / "zero"
@@ -96,7 +104,9 @@ def export_deepspeed_universal(reader: CheckpointReader, output: Path, tag: str 
         directory.mkdir(parents=True, exist_ok=True)
         for state in reader.states_of(name):
             file = DEEPSPEED_STATE_FILES.get(state, state)
-            torch.save({"param": reader.parameter(name, state)}, directory / f"{file}.pt")
+            value = reader.parameter(name, state)
+            keys = deepspeed_metadata(spec, name) if value.dim() else {}
+            torch.save({"param": value, **keys}, directory / f"{file}.pt")
     torch.save(
         {"optimizer_state_dict": {"param_groups": _param_groups(reader)}, "step": reader.step},
         zero / "optimizer_state.pt",

@@ -44,6 +44,8 @@ class RunJob:
     save_root: str | None = None
     save_steps: list[int] = field(default_factory=list)
     resave_root: str | None = None
+    dcp_root: str | None = None
+    """Also save torch DCP checkpoints (``get_state_dict``) at ``save_steps`` under ``dcp_root/step-N``."""
     results: str = ""
     config: dict[str, int] = field(default_factory=dict)
     lr: float = 1e-2
@@ -114,6 +116,14 @@ def _step(
     return float(value) / (layout.dp * layout.tp)
 
 
+def _save_dcp(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
+
+
 def rank_main(rank: int, job_dict: dict[str, object], store: str) -> None:
     torch.set_num_threads(1)
     job = RunJob(**job_dict)  # type: ignore[arg-type]
@@ -150,6 +160,8 @@ def rank_main(rank: int, job_dict: dict[str, object], store: str) -> None:
             optimizer.zero_grad(set_to_none=True)
             if job.save_root and step in job.save_steps:
                 save_universal(Path(job.save_root), step, model, optimizer, layout, spec, shapes)
+            if job.dcp_root and step in job.save_steps:
+                _save_dcp(Path(job.dcp_root) / f"step-{step}", model, optimizer)
         if rank == 0 and job.results:
             Path(job.results).write_text(json.dumps({"layout": job.layout, "losses": losses}))
     finally:

@@ -1,0 +1,223 @@
+"""Universal checkpoints to and from the tools users have: DeepSpeed and torch DCP.
+
+* :func:`deepspeed_metadata` — the keys DeepSpeed's universal loader
+  (``deepspeed.checkpoint.universal_checkpoint.load_hp_checkpoint_state``)
+  reads next to each ``{"param": tensor}`` to re-slice it for a TP degree:
+  ``cat_dim``, ``vocab_tensor``, ``param_n_sub_params`` (equal fused parts).
+* :func:`import_deepspeed_universal` — a DeepSpeed universal folder
+  (``<tag>/zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt``) into our format,
+  its per-parameter keys turned into reshape rules.
+* :func:`import_dcp` — a torch distributed checkpoint of an FSDP2 or TP model
+  (``dcp.save({"model": ..., "optim": ...})`` of ``get_state_dict``): DCP keeps
+  each DTensor's whole *stored* tensor, so a TP model's fused weights arrive
+  rank-interleaved and its vocabulary padded; the spec and the TP degree that
+  wrote it undo both.
+
+Files are read with ``torch.load(weights_only=True)``: no code from a
+checkpoint runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkmate import checkpoint_format as fmt
+from checkmate.checkpoint_format import PARAM_STATE, CheckpointError
+from checkmate.universal.convert import staged_output
+from checkmate.universal.extract import AtomMerger, records_of_tensor
+from checkmate.universal.layout import LocalTensor, storage_pieces
+from checkmate.universal.save import assign_owners
+from checkmate.universal.spec import LayoutError, ReshapeRule, ReshapeSpec
+
+logger = logging.getLogger(__name__)
+
+DEEPSPEED_PARAM_FILE = "fp32"
+
+
+def deepspeed_metadata(spec: ReshapeSpec | None, name: str) -> dict[str, Any]:
+    """DeepSpeed's universal-checkpoint keys for ``name`` under ``spec`` (empty: replicated)."""
+    if spec is None:
+        return {}
+    rule = spec.rule(name)
+    if rule.cat_dim is None:
+        return {}
+    out: dict[str, Any] = {"cat_dim": rule.cat_dim}
+    if rule.vocab:
+        out["vocab_tensor"] = True
+    if rule.parts:
+        if len(set(rule.parts)) != 1:
+            raise LayoutError(
+                f"{name}: {rule.describe()}: DeepSpeed's param_n_sub_params needs equal parts; "
+                "unequal ones (grouped-query QKV) have no portable encoding"
+            )
+        out["param_n_sub_params"] = len(rule.parts)
+    return out
+
+
+def _load_pt(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch.load raises many types for a bad file
+        raise CheckpointError(f"{path}: not a loadable tensor file ({type(exc).__name__}: {exc})") from None
+
+
+def import_deepspeed_universal(folder: Path, output: Path, num_shards: int = 1) -> Path:
+    """A DeepSpeed universal checkpoint folder (the one holding ``zero/``) into ``output``."""
+    zero = Path(folder) / "zero"
+    if not zero.is_dir():
+        raise CheckpointError(f"{folder}: no zero/ folder; not a DeepSpeed universal checkpoint")
+    atoms: dict[str, dict[str, torch.Tensor]] = {}
+    rules: list[ReshapeRule] = []
+    for directory in sorted(p for p in zero.iterdir() if p.is_dir()):
+        name = directory.name
+        states: dict[str, torch.Tensor] = {}
+        meta: dict[str, Any] = {}
+        for file in sorted(directory.glob("*.pt")):
+            content = _load_pt(file)
+            value = content.get("param") if isinstance(content, Mapping) else content
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"{file}: holds no 'param' tensor")
+            state = PARAM_STATE if file.stem == DEEPSPEED_PARAM_FILE else file.stem
+            states[state] = value.detach().clone()
+            if state == PARAM_STATE and isinstance(content, Mapping):
+                meta = {k: v for k, v in content.items() if k != "param"}
+        if PARAM_STATE not in states:
+            raise CheckpointError(f"{directory}: no {DEEPSPEED_PARAM_FILE}.pt")
+        atoms[name] = states
+        rules.append(_rule_from_deepspeed(name, meta, tuple(states[PARAM_STATE].shape)))
+    if not atoms:
+        raise CheckpointError(f"{zero}: no parameter folders")
+    step, groups = _deepspeed_optimizer(zero, sorted(atoms))
+    spec = ReshapeSpec(tuple(r for r in rules if r.cat_dim is not None))
+    with staged_output(output) as staging:
+        for shard, owned in enumerate(
+            assign_owners({n: atoms[n][PARAM_STATE].shape for n in atoms}, num_shards)
+        ):
+            fmt.write_shard(staging, step, shard, num_shards, {n: atoms[n] for n in owned})
+        extra = {"universal": {"spec": spec.to_json(), "source_layout": "deepspeed-universal"}}
+        optimizer = {"param_groups": groups} if groups else {}  # DeepSpeed records no optimizer class
+        fmt.write_global(
+            staging, step, fmt.parameters_of((n, s[PARAM_STATE]) for n, s in atoms.items()), optimizer, extra
+        )
+        fmt.update_latest(staging, step)
+    return fmt.step_dir(Path(output), step)
+
+
+def _rule_from_deepspeed(name: str, meta: Mapping[str, Any], shape: tuple[int, ...]) -> ReshapeRule:
+    if "cat_dim" not in meta:
+        return ReshapeRule(re.escape(name))
+    dim = int(meta["cat_dim"])
+    n_sub = int(meta.get("param_n_sub_params", 1) or 1)
+    parts = None
+    if n_sub > 1:
+        if shape[dim] % n_sub:
+            raise LayoutError(f"{name}: {n_sub} sub-parameters do not divide dim {dim} of {shape}")
+        parts = (shape[dim] // n_sub,) * n_sub
+    return ReshapeRule(re.escape(name), cat_dim=dim, parts=parts, vocab=bool(meta.get("vocab_tensor", False)))
+
+
+def _deepspeed_optimizer(zero: Path, names: list[str]) -> tuple[int, list[dict[str, Any]]]:
+    path = zero / "optimizer_state.pt"
+    if not path.is_file():
+        return 0, []
+    content = _load_pt(path)
+    step = int(content.get("step", 0) or 0) if isinstance(content, Mapping) else 0
+    groups = []
+    saved = (
+        content.get("optimizer_state_dict", {}).get("param_groups", [])
+        if isinstance(content, Mapping)
+        else []
+    )
+    for group in saved:
+        hyper = {
+            k: v
+            for k, v in group.items()
+            if k != "params" and isinstance(v, (int, float, bool, str, list, tuple))
+        }
+        params = group.get("params", [])
+        groups.append({**hyper, "params": list(params) if all(isinstance(p, str) for p in params) else []})
+    if groups and not any(g["params"] for g in groups):
+        groups = [{**groups[0], "params": names}]  # DeepSpeed numbers parameters; one group holds all
+    return step, groups
+
+
+def import_dcp(
+    folder: Path,
+    output: Path,
+    spec: ReshapeSpec | None = None,
+    tp: int = 1,
+    vocab: int | None = None,
+    step: int = 0,
+    num_shards: int = 1,
+) -> Path:
+    """A torch DCP checkpoint ``{"model": ..., "optim": ...}`` (FQN keys) into ``output``.
+
+    ``tp``: the tensor-parallel degree of the job that wrote it (fused parts are
+    interleaved per TP rank in DCP's stored tensors); ``vocab``: the real
+    vocabulary size, to trim padded rows (kept when None).
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    spec = spec or ReshapeSpec()
+    with tempfile.TemporaryDirectory(prefix="checkmate-dcp-") as scratch:
+        flat_file = Path(scratch) / "state.pt"
+        try:
+            dcp_to_torch_save(str(folder), str(flat_file))
+        except Exception as exc:  # noqa: BLE001 - DCP raises many types for a bad folder
+            raise CheckpointError(
+                f"{folder}: not a readable DCP checkpoint ({type(exc).__name__}: {exc})"
+            ) from None
+        state = _load_pt(flat_file)
+    model = state.get("model") if isinstance(state, Mapping) else None
+    if not isinstance(model, Mapping) or not model:
+        raise CheckpointError(f"{folder}: no 'model' state dict (save {{'model': ..., 'optim': ...}})")
+    optim = state.get("optim", {}) if isinstance(state, Mapping) else {}
+    per_param = optim.get("state", {}) if isinstance(optim, Mapping) else {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    holdings: dict[str, LocalTensor] = {}
+    for name, tensor in model.items():
+        stored = tuple(tensor.shape)
+        rule = spec.check_rule(name, stored)
+        logical = list(stored)
+        if rule.vocab and vocab is not None:
+            logical[rule.cat_dim or 0] = vocab
+        shapes[name] = tuple(logical)
+        holdings[name] = LocalTensor(name, stored, storage_pieces(name, rule, logical, stored, tp))
+    merger = AtomMerger(shapes, spec)
+    for name, tensor in model.items():
+        merger.add_all(records_of_tensor(holdings[name], PARAM_STATE, tensor))
+        for key, value in (per_param.get(name) or {}).items():
+            if isinstance(value, torch.Tensor):
+                merger.add_all(records_of_tensor(holdings[name], key, value))
+    atoms = merger.atoms()
+    step = step or int(
+        max((float(s.get("step", 0)) for s in per_param.values() if isinstance(s, Mapping)), default=0)
+    )
+    groups = []
+    for group in optim.get("param_groups", []) if isinstance(optim, Mapping) else []:
+        hyper = {
+            k: v
+            for k, v in group.items()
+            if k != "params" and isinstance(v, (int, float, bool, str, list, tuple))
+        }
+        groups.append({**hyper, "params": [p for p in group.get("params", []) if isinstance(p, str)]})
+    with staged_output(output) as staging:
+        for shard, owned in enumerate(assign_owners(shapes, num_shards)):
+            fmt.write_shard(staging, step, shard, num_shards, {n: atoms[n] for n in owned})
+        extra = {"universal": {"spec": spec.to_json(), "source_layout": f"dcp,tp={tp}"}}
+        fmt.write_global(
+            staging,
+            step,
+            {n: (list(s), "torch.float32") for n, s in shapes.items()},
+            {"param_groups": groups} if groups else {},  # DCP records no optimizer class
+            extra,
+        )
+        fmt.update_latest(staging, step)
+    return fmt.step_dir(Path(output), step)
