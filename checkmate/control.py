@@ -4,9 +4,9 @@ Shared by the host agent (``hosts.control_channel``, the sender) and the
 shadow (the receiver), like :mod:`checkmate.wire` is for the data path; the
 format is specified in docs/protocol.md ("Control channel").
 
-A TCP connection carries frames::
+A TCP connection carries authenticated frames (:mod:`checkmate.control_frame`)::
 
-    magic "CMC1" | json_len: u32 BE | blob_len: u64 BE | JSON (UTF-8) | blob
+    magic "CMC2" | json_len | blob_len | job | run | seq | head tag | JSON (UTF-8) | blob | tag
 
 The JSON object has a ``"type"`` (``job_start``, ``bucket_layout``,
 ``commit``, ``certified``, ``goodbye``; and on a shadow's same TCP port,
@@ -28,15 +28,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from checkmate.job_state import JobState, JobStateError
-
 # The framing and its constants live in the torch-free checkmate.control_frame; re-exported here.
 from checkmate.control_frame import DEFAULT_CONTROL_PORT as DEFAULT_CONTROL_PORT
 from checkmate.control_frame import MAGIC as MAGIC
 from checkmate.control_frame import MAX_BLOB_BYTES as MAX_BLOB_BYTES
 from checkmate.control_frame import MAX_JSON_BYTES as MAX_JSON_BYTES
-from checkmate.control_frame import PREFIX, frame_prefix, parse_prefix
 from checkmate.control_frame import ControlProtocolError as ControlProtocolError
+from checkmate.control_frame import frame_prefix, recv_frame, send_frame
+from checkmate.job_state import JobState, JobStateError
 
 MAX_DATA_POSITION_BYTES = 64 << 10
 """Largest data position a commit may carry, measured as compact UTF-8 JSON."""
@@ -496,28 +495,12 @@ def decode_message(
 
 # ---- sockets ----------------------------------------------------------------------------
 def send_message(sock: socket.socket, message: Message, timeout: float) -> None:
-    """Write one frame; raises OSError (TimeoutError included) if it cannot within ``timeout``."""
-    sock.settimeout(timeout)
-    for part in encode_message(message):
-        sock.sendall(part)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], min(n - got, 1 << 22))
-        if k == 0:
-            raise ConnectionError(f"connection closed after {got} of {n} bytes")
-        got += k
-    return buf
+    """Write one authenticated frame; raises OSError (TimeoutError included) if it cannot within ``timeout``."""
+    parts = encode_message(message)
+    send_frame(sock, parts[1:], int(getattr(message, "job_id", 0)), timeout)
 
 
 def recv_message(sock: socket.socket, timeout: float) -> Message:
-    """Read one frame (each socket read waits at most ``timeout`` seconds)."""
-    sock.settimeout(timeout)
-    json_len, blob_len = parse_prefix(_recv_exact(sock, PREFIX.size))
-    text = _recv_exact(sock, json_len)
-    blob = _recv_exact(sock, blob_len) if blob_len else bytearray()
+    """Read one frame (each socket read waits at most ``timeout`` seconds); FrameAuthError if forged."""
+    text, blob = recv_frame(sock, timeout)
     return decode_message(text, blob)

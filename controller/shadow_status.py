@@ -23,12 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from checkmate.auth import AuthConfigError
 from checkmate.control_frame import (
     DEFAULT_CONTROL_PORT,
-    PREFIX,
+    ControlAuth,
     ControlProtocolError,
-    frame_prefix,
-    parse_prefix,
+    FrameAuthError,
+    bind,
 )
 from checkmate.job import JobSpec
 from checkmate.network import Network, NetworkError
@@ -102,43 +103,39 @@ def _left(deadline: float, timeout: float) -> float:
     return left
 
 
-def _recv_exact(conn: socket.socket, n: int, deadline: float, timeout: float) -> bytes:
-    parts: list[bytes] = []
-    got = 0
-    while got < n:
-        conn.settimeout(_left(deadline, timeout))
-        chunk = conn.recv(min(n - got, 1 << 20))
-        if not chunk:
-            raise ShadowStatusError(f"bad reply: connection closed after {got} of {n} bytes")
-        parts.append(chunk)
-        got += len(chunk)
-    return b"".join(parts)
-
-
-def query_status(address: Addr, timeout: float, job_id: int = 0) -> dict[str, Any]:
+def query_status(
+    address: Addr, timeout: float, job_id: int = 0, auth: ControlAuth | None = None
+) -> dict[str, Any]:
     """One shadow's status document; raises :class:`ShadowStatusError` naming the cause.
 
-    The whole exchange (connect, request, reply) takes at most ``timeout`` seconds.
+    The whole exchange (connect, request, reply) takes at most ``timeout`` seconds, and is
+    authenticated with ``auth`` (the job's secret; None: this process's).
     """
     deadline = time.monotonic() + timeout
     request = json.dumps({"type": "status_request", "job_id": job_id}).encode()
     try:
         with socket.create_connection(address, timeout=timeout) as conn:
-            conn.settimeout(_left(deadline, timeout))
-            conn.sendall(frame_prefix(len(request), 0) + request)
+            session = bind(conn, auth, job_id)
+            session.send(conn, [request], job_id, _left(deadline, timeout))
             try:
-                json_len, blob_len = parse_prefix(_recv_exact(conn, PREFIX.size, deadline, timeout))
+                text, _ = session.recv(conn, _left(deadline, timeout), MAX_STATUS_BYTES)
+            except FrameAuthError as exc:
+                raise ShadowStatusError(f"bad reply: {exc} (does the shadow have this job's secret?)") from None
             except ControlProtocolError as exc:
                 raise ShadowStatusError(f"bad reply: {exc}") from None
-            if json_len + blob_len > MAX_STATUS_BYTES:
-                raise ShadowStatusError(f"bad reply: {json_len + blob_len} bytes announced for a status")
-            text = _recv_exact(conn, json_len, deadline, timeout)
     except ShadowStatusError:
         raise
     except TimeoutError:
         raise ShadowStatusError(f"no answer within {timeout:g} s") from None
     except ConnectionRefusedError:
         raise ShadowStatusError("connection refused (no shadow listening)") from None
+    except ConnectionError as exc:
+        raise ShadowStatusError(
+            f"bad reply: {exc} (a shadow closes a connection it cannot authenticate: does it have "
+            "this job's secret?)"
+        ) from None
+    except AuthConfigError as exc:
+        raise ShadowStatusError(str(exc)) from None
     except OSError as exc:
         raise ShadowStatusError(exc.strerror or str(exc)) from None
     try:
@@ -155,12 +152,14 @@ def query_status(address: Addr, timeout: float, job_id: int = 0) -> dict[str, An
     return status
 
 
-def _ask(name: str, address: Addr | ShadowStatusError, timeout: float, job_id: int) -> ShadowStatus:
+def _ask(
+    name: str, address: Addr | ShadowStatusError, timeout: float, job_id: int, auth: ControlAuth | None
+) -> ShadowStatus:
     if isinstance(address, ShadowStatusError):
         return ShadowStatus(name, "", error=str(address))
     where = _format_address(address)
     try:
-        return ShadowStatus(name, where, status=query_status(address, timeout, job_id))
+        return ShadowStatus(name, where, status=query_status(address, timeout, job_id, auth))
     except ShadowStatusError as exc:
         logger.info("shadow %s at %s: %s", name, where, exc)
         return ShadowStatus(name, where, error=str(exc))
@@ -170,15 +169,19 @@ def query_shadows(
     addresses: Mapping[str, Addr | ShadowStatusError],
     timeout: float = DEFAULT_SHADOW_TIMEOUT_S,
     job_id: int = 0,
+    secret: bytes | None = None,
 ) -> list[ShadowStatus]:
-    """Every shadow's status, asked in parallel, in the order of ``addresses``; never raises for a shadow."""
+    """Every shadow's status, asked in parallel, in the order of ``addresses``; never raises for a shadow.
+
+    ``secret``: the job's (from the registry); None: this process's."""
+    auth = ControlAuth(secret) if secret is not None else None
     if not addresses:
         return []
     names = list(addresses)
     with ThreadPoolExecutor(
         max_workers=min(len(names), MAX_PARALLEL_QUERIES), thread_name_prefix="shadow-status"
     ) as pool:
-        return list(pool.map(lambda name: _ask(name, addresses[name], timeout, job_id), names))
+        return list(pool.map(lambda name: _ask(name, addresses[name], timeout, job_id, auth), names))
 
 
 # ---- one line per shadow ---------------------------------------------------------------

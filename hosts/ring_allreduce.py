@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from checkmate.auth import DATAGRAM_TAG_BYTES
 from checkmate.tensors import payload_tensor, tensor_payload, wire_dtype
 from checkmate.wire import MAX_PAYLOAD_BYTES, CheckmateHeader, DType, Flags, MessageType
 from hosts.transport import Addr, PeerTimeoutError, Transport
@@ -567,7 +568,7 @@ class RingAllReduce:
             return
         assert record is not None
         size = record.dtype.itemsize
-        per = MAX_PAYLOAD_BYTES // size
+        per = (MAX_PAYLOAD_BYTES - DATAGRAM_TAG_BYTES) // size  # room for the MAC (checkmate.auth)
         pieces: list[tuple[int, int]] = []
         for o, k in ranges:
             for start in range(o, o + k, per):

@@ -24,6 +24,10 @@ ACK/NACK payloads.
 * **Bad input.** Corrupt headers, unknown jobs, ranks whose address does not
   match, acknowledgements of unsent data: dropped and counted per reason
   (``stats()["drop.<reason>"]``), never delivered.
+* **Authentication.** ACK, NACK, REPAIR_REQUEST and REPAIR_DATA datagrams carry
+  a 16-byte MAC of the job's key after their payload (:class:`checkmate.auth.DatagramAuth`);
+  one without a valid tag is dropped (``drop.unauthenticated``) before it is parsed.
+  DATA carries none: only the ring peer's address is accepted (docs/security.md).
 * **Dead peers.** A flow whose peer acknowledges nothing for ``peer_timeout``
   seconds fails with :class:`PeerTimeoutError` naming the peer; the job's
   failure callback runs once and later sends to it raise the same error.
@@ -50,6 +54,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from checkmate.auth import DatagramAuth, datagram_job, needs_tag, secret_from_env
 from checkmate.wire import (
     CHECKMATE_UDP_PORT,
     HEADER_BYTES,
@@ -72,6 +77,7 @@ Buffer = bytes | bytearray | memoryview
 DataHandler = Callable[[CheckmateHeader, memoryview, Addr], None]
 FailureHandler = Callable[["PeerTimeoutError"], None]
 
+_DATA_TYPE = int(MessageType.DATA)
 MAX_SEQUENCE = (1 << 32) - 1
 MAX_RANGES = 128
 """Most SACK/NACK ranges one ACK or NACK carries (1 KiB of payload)."""
@@ -180,6 +186,7 @@ class _Job:
     on_data: DataHandler
     on_request: DataHandler | None
     on_failure: FailureHandler | None
+    auth: DatagramAuth | None = None
 
 
 def resolve(addr: tuple[str, int] | str, default_port: int = CHECKMATE_UDP_PORT) -> Addr:
@@ -273,8 +280,14 @@ class Transport:
         on_data: DataHandler,
         on_request: DataHandler | None = None,
         on_failure: FailureHandler | None = None,
+        secret: bytes | None = None,
     ) -> None:
-        """Accept flows of ``job_id`` from ``peers`` (rank -> address); this side is ``rank``."""
+        """Accept flows of ``job_id`` from ``peers`` (rank -> address); this side is ``rank``.
+
+        ``secret``: the job's (None: this process's, :func:`checkmate.auth.secret_from_env`,
+        which raises AuthConfigError when there is none).
+        """
+        auth = DatagramAuth(secret if secret is not None else secret_from_env(), job_id)
         resolved = {int(r): resolve(a) for r, a in peers.items()}
         with self._lock:
             self._jobs[job_id] = _Job(
@@ -285,6 +298,7 @@ class Transport:
                 on_data=on_data,
                 on_request=on_request,
                 on_failure=on_failure,
+                auth=auth,
             )
 
     def remove_job(self, job_id: int) -> None:
@@ -425,6 +439,12 @@ class Transport:
             self._transmit(flow, flow.pending.popleft(), now)
 
     def _emit(self, parts: Sequence[Buffer], addr: Addr) -> None:
+        if parts[0][1] != _DATA_TYPE:  # every type but DATA carries the job's MAC
+            job = self._jobs.get(datagram_job(parts[0]))
+            if job is None or job.auth is None:
+                self.count("send_no_key")
+                return
+            parts = job.auth.seal(parts)
         faults = self._faults
         if faults is None:
             self._sendmsg(parts, addr)
@@ -500,6 +520,13 @@ class Transport:
     def _handle(self, data: memoryview, addr: Addr) -> None:
         if self._faults is not None and self._faults.drop_received():
             return
+        if needs_tag(data):
+            job = self._jobs.get(datagram_job(data))
+            opened = job.auth.open(data) if job is not None and job.auth is not None else None
+            if opened is None:
+                self.count_drop("unauthenticated")
+                return
+            data = opened
         try:
             header, payload = decode(data)
         except WireFormatError as exc:

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from checkmate.control import DEFAULT_CONTROL_PORT, StatusReport, StatusRequest, recv_message, send_message
+from checkmate.control_frame import bind
 from checkmate.job import JobSpec
 from controller.cli import main
 from controller.shadow_status import (
@@ -77,6 +78,7 @@ class FakeShadow:
                 continue
             except OSError:
                 return
+            bind(conn, server=True)
             self.connections += 1
             if self.mode == "silent":  # accept, read nothing, never answer
                 self._held.append(conn)

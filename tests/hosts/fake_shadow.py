@@ -14,6 +14,7 @@ from checkmate.control import (
     recv_message,
     send_message,
 )
+from checkmate.control_frame import bind
 
 
 class FakeShadow:
@@ -34,6 +35,7 @@ class FakeShadow:
                 conn, _ = self._server.accept()
             except TimeoutError:
                 continue
+            bind(conn, server=True)
             self.connections += 1
             with conn:
                 while not self._stop.is_set():

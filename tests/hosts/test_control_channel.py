@@ -21,18 +21,19 @@ from checkmate.control import (
     decode_message,
     encode_message,
     recv_message,
+    send_message,
     validate_data_position,
 )
+from checkmate.control_frame import bind
 from hosts.control_channel import ControlChannel, ControlConfig
 from tests.hosts.fake_shadow import FakeShadow
 
 
 def _roundtrip(message: object) -> object:
-    parts = encode_message(message)  # type: ignore[arg-type]
-    frame = b"".join(bytes(p) for p in parts)
     a, b = socket.socketpair()
+    bind(b, server=True)
     with a, b:
-        a.sendall(frame)
+        send_message(a, message, timeout=2.0)  # type: ignore[arg-type]
         return recv_message(b, timeout=2.0)
 
 

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from checkmate.auth import DatagramAuth, secret_from_env
 from checkmate.wire import (
     CHECKMATE_UDP_PORT,
     MAX_PAYLOAD_BYTES,
@@ -267,19 +268,25 @@ def test_bad_data_is_counted_never_applied_and_repairs_are_served() -> None:
     shadow = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     shadow.bind(("127.0.0.30", CHECKMATE_UDP_PORT))
     shadow.settimeout(2.0)
+    auth = DatagramAuth(secret_from_env(), JOB)
     request = CheckmateHeader(MessageType.REPAIR_REQUEST, JOB, 5, 0, 0, 2, 2, 42, dtype=DType.NONE)
-    shadow.sendto(encode(request) + struct.pack("!II", 7, 2), worker_addr(0))
+    unsigned = encode(request) + struct.pack("!II", 7, 2)
+    shadow.sendto(unsigned, worker_addr(0))  # no MAC: dropped, never answered
+    shadow.sendto(unsigned + auth.tag([unsigned]), worker_addr(0))
     got = {}
     for _ in range(2):
-        header, payload = decode(shadow.recvfrom(65536)[0])
+        opened = auth.open(memoryview(shadow.recvfrom(65536)[0]))
+        assert opened is not None  # the answer carries the job's MAC
+        header, payload = decode(opened)
         assert header.msg_type is MessageType.REPAIR_DATA and header.sequence == 42
         assert not header.flags & Flags.REPLICATE
         got[header.element_offset] = torch.frombuffer(bytearray(payload), dtype=torch.float32)
     assert torch.equal(got[2], result[2:4]) and torch.equal(got[7], result[7:9])
     missing = CheckmateHeader(MessageType.REPAIR_REQUEST, JOB, 4, 0, 0, 0, 2, 43, dtype=DType.NONE)
-    shadow.sendto(encode(missing), worker_addr(0))
+    shadow.sendto(encode(missing) + auth.tag([encode(missing)]), worker_addr(0))
     header, _ = decode(shadow.recvfrom(65536)[0])
     assert header.msg_type is MessageType.NACK and header.sequence == 43 and header.iteration == 4
+    assert engine.transport.drops().get("unauthenticated") == 1
     shadow.close()
     rank1.close()
     engine.close()

@@ -142,7 +142,7 @@ def test_bad_datagrams_are_counted_and_not_delivered() -> None:
         unknown_rank = encode(_header(0, 4, rank=5), bytes(16))
         raw.sendto(unknown_rank, B)
         bogus_ack = CheckmateHeader(MessageType.ACK, JOB, 0, 0, 0, 0, 1, 0, dtype=DType.NONE).pack()
-        raw.sendto(bogus_ack + struct.pack("!II", 0, 1), B)  # well formed, but from the wrong address
+        raw.sendto(bogus_ack + struct.pack("!II", 0, 1), B)  # well formed, but no MAC (checkmate.auth)
         raw.close()
         deadline = time.monotonic() + 2
         while sum(b.drops().values()) < 6 and time.monotonic() < deadline:
@@ -150,7 +150,8 @@ def test_bad_datagrams_are_counted_and_not_delivered() -> None:
         drops = b.drops()
         assert drops.get("malformed") == 2
         assert drops.get("unknown_job") == 1
-        assert drops.get("unknown_rank") == 3
+        assert drops.get("unknown_rank") == 2
+        assert drops.get("unauthenticated") == 1
         assert sink.deliveries == 0
 
 

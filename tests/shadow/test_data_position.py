@@ -25,7 +25,7 @@ from shadow.restore import fetch_shard, fetch_state, merge_shards
 from shadow.snapshots import SnapshotPolicy
 from tests.hosts.fake_shadow import FakeShadow
 from tests.hosts.harness import run_ranks
-from tests.shadow.test_node import GRAD, JOB, LAYOUT, Rank0, datagram, job_start, wait_for
+from tests.shadow.test_node import GRAD, JOB, LAYOUT, Rank0, datagram, job_start, wait_for, worker_socket
 
 # One shadow owns both shard keys, so it alone covers the model (a restore merges one shard).
 SPEC = {"job_id": JOB, "workers": ["a", "b"], "shadows": ["s0"], "shard_to_shadow": {"0": "s0", "1": "s0"}}
@@ -66,7 +66,7 @@ def _join(node: ShadowNode, position: Any = None) -> Rank0:
 def _iteration(node: ShadowNode, rank0: Rank0, iteration: int, position: Any = None) -> None:
     """Rank 0's commit and every copy of ``iteration`` (both buckets); waits until it is snapshotted."""
     rank0.send(Commit(JOB, iteration, [0.1], optimizer_step=iteration + 1, data_position=position))
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+    with worker_socket("127.0.0.62") as sender:
         sender.sendto(datagram(iteration, 0, GRAD[:8]), node.data_address)
         sender.sendto(datagram(iteration, 8, GRAD[8:]), node.data_address)
         sender.sendto(datagram(iteration, 0, GRAD[:6], bucket_id=1, shard_key=1), node.data_address)

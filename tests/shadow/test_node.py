@@ -196,6 +196,13 @@ def node(tmp_path: Path) -> Iterator[ShadowNode]:
     shadow.close()
 
 
+def worker_socket(host: str = "127.0.0.60") -> socket.socket:
+    """A UDP socket on a worker's host: a shadow takes copies only from the job's workers."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((host, 0))
+    return sock
+
+
 def join(node: ShadowNode, workers: list[tuple[str, int]] | None = None) -> Rank0:
     rank0 = Rank0(node)
     rank0.send(job_start(workers or [("127.0.0.60", 9), ("127.0.0.61", 9)]))
@@ -207,7 +214,7 @@ def join(node: ShadowNode, workers: list[tuple[str, int]] | None = None) -> Rank
 
 def test_bad_input_is_dropped_and_counted_never_written(node: ShadowNode) -> None:
     rank0 = join(node)
-    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sender = worker_socket()
     target = node.data_address
     rank0.send(Commit(JOB, 0, [0.1]))
     assert wait_for(lambda: node.status()["latest_commit"] == 0)
@@ -241,7 +248,7 @@ def test_bad_input_is_dropped_and_counted_never_written(node: ShadowNode) -> Non
 
 def test_a_commit_that_never_comes_is_never_certified_and_says_why(node: ShadowNode, tmp_path: Path) -> None:
     rank0 = join(node)
-    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sender = worker_socket()
     sender.sendto(datagram(0, 0, GRAD[:8]), node.data_address)
     sender.sendto(datagram(0, 8, GRAD[8:]), node.data_address)
     assert wait_for(lambda: "no commit record" in (node.status()["blocked"] or ""), timeout=4), node.status()
@@ -260,7 +267,7 @@ def test_gaps_are_repaired_from_another_worker_after_a_nack(node: ShadowNode) ->
     try:
         # iteration 0: bucket 0 ranges [4, 8) and [10, 12) lost; worker (0 + 0) % 2 = 0 is asked first
         rank0 = join(node, [refusing.address, answering.address])
-        sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sender = worker_socket()
         sender.sendto(datagram(0, 0, GRAD[:4]), node.data_address)
         sender.sendto(datagram(0, 8, GRAD[8:10]), node.data_address)
         rank0.send(Commit(JOB, 0, [0.1]))
@@ -281,7 +288,7 @@ def test_unrepairable_gap_blocks_certification_and_asks_for_state(node: ShadowNo
     workers = [FakeWorker("127.0.0.60", nack=True), FakeWorker("127.0.0.61", nack=True)]
     try:
         rank0 = join(node, [w.address for w in workers])
-        sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sender = worker_socket()
         sender.sendto(datagram(0, 0, GRAD[:8]), node.data_address)
         rank0.send(Commit(JOB, 0, [0.1]))
         assert wait_for(lambda: "every worker" in (node.status()["blocked"] or "")), node.status()

@@ -1,0 +1,197 @@
+"""Per-job authentication: the job secret, the keys derived from it, and the datagram MAC.
+
+Every job has a secret (32 random bytes, hex in files and the environment) that
+``checkmate-ctl job add`` creates or takes and keeps in the registry (mode 0600).
+Workers and shadows find it, in this order, in ``CHECKMATE_JOB_SECRET`` (hex),
+``CHECKMATE_JOB_SECRET_FILE`` (a file holding the hex) or the ``"secret"`` of the
+job file named by ``CHECKMATE_JOB_FILE``; never on a command line. A missing,
+short or malformed secret, or two sources that disagree, is an
+:class:`AuthConfigError` naming the file or variable: nothing falls back to
+running unauthenticated.
+
+Keys are derived per purpose (HMAC-SHA256 of the secret and a label), so a
+control-channel MAC can never be replayed as a datagram MAC:
+
+* control frames: :mod:`checkmate.control_frame` (key ``control``);
+* transport control datagrams (ACK, NACK, REPAIR_REQUEST, REPAIR_DATA):
+  :class:`DatagramAuth` here (key ``transport/<job id>``), a 16-byte tag after the
+  payload over the whole datagram. Gradient DATA datagrams carry no tag
+  (docs/security.md says why and what protects them instead).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import secrets
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Final
+
+SECRET_ENV: Final = "CHECKMATE_JOB_SECRET"
+SECRET_FILE_ENV: Final = "CHECKMATE_JOB_SECRET_FILE"
+JOB_FILE_ENV: Final = "CHECKMATE_JOB_FILE"
+SECRET_BYTES: Final = 32
+"""Bytes of a secret ``checkmate-ctl job add`` creates."""
+MIN_SECRET_BYTES: Final = 16
+"""Shortest secret accepted (128 bits)."""
+DATAGRAM_TAG_BYTES: Final = 16
+AUTHENTICATED_TYPES: Final = frozenset({2, 3, 4, 5})
+"""Wire message types that carry a tag: ACK, NACK, REPAIR_REQUEST, REPAIR_DATA (checkmate.wire)."""
+_HEADER_BYTES: Final = 32
+
+Buffer = bytes | bytearray | memoryview
+
+
+class AuthConfigError(ValueError):
+    """No usable job secret: the message names the file or variable and what is wrong."""
+
+
+def generate_secret() -> str:
+    """A fresh job secret as hex (what the registry and job files hold)."""
+    return secrets.token_hex(SECRET_BYTES)
+
+
+def parse_secret(text: object, source: str) -> bytes:
+    """The secret's bytes from its hex text; AuthConfigError naming ``source`` if it will not do."""
+    if not isinstance(text, str):
+        raise AuthConfigError(f"{source}: the job secret must be a hex string, got {type(text).__name__}")
+    text = text.strip()
+    if not text:
+        raise AuthConfigError(f"{source}: the job secret is empty")
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raise AuthConfigError(f"{source}: the job secret is not hexadecimal") from None
+    if len(raw) < MIN_SECRET_BYTES:
+        raise AuthConfigError(
+            f"{source}: the job secret is {len(raw)} bytes; at least {MIN_SECRET_BYTES} are needed "
+            "(checkmate-ctl job add creates one)"
+        )
+    return raw
+
+
+def read_secret_file(path: str | Path) -> bytes:
+    """A secret file (hex, one line)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AuthConfigError(f"cannot read the job secret file {path}: {exc}") from None
+    return parse_secret(text, f"job secret file {path}")
+
+
+def secret_from_job_file(path: str | Path) -> bytes:
+    """The ``"secret"`` of a job file; AuthConfigError naming the file if it has none or a bad one."""
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AuthConfigError(f"cannot read the job file {path}: {exc}") from None
+    if not isinstance(document, dict) or "secret" not in document:
+        raise AuthConfigError(
+            f"job file {path} has no \"secret\": write it with the job's secret from the registry "
+            "(checkmate-ctl job secret N) or set CHECKMATE_JOB_SECRET"
+        )
+    return parse_secret(document["secret"], f"job file {path}")
+
+
+def secret_from_env(environ: Mapping[str, str] | None = None) -> bytes:
+    """The job secret this process was given (module docstring); AuthConfigError if none or two differ."""
+    env = os.environ if environ is None else environ
+    found: list[tuple[str, bytes]] = []
+    if env.get(SECRET_ENV):
+        found.append((SECRET_ENV, parse_secret(env[SECRET_ENV], f"${SECRET_ENV}")))
+    if env.get(SECRET_FILE_ENV):
+        found.append((f"{SECRET_FILE_ENV}={env[SECRET_FILE_ENV]}", read_secret_file(env[SECRET_FILE_ENV])))
+    job_file = env.get(JOB_FILE_ENV)
+    if job_file and not found:
+        found.append((f"job file {job_file}", secret_from_job_file(job_file)))
+    elif job_file:
+        try:
+            in_file: bytes | None = secret_from_job_file(job_file)
+        except AuthConfigError:
+            in_file = None  # a job file without a secret is fine when the secret comes from elsewhere
+        if in_file is not None:
+            found.append((f"job file {job_file}", in_file))
+    if not found:
+        raise AuthConfigError(
+            f"no job secret: set {JOB_FILE_ENV} to a job file with a \"secret\" (checkmate-ctl job add "
+            f"keeps one per job), or {SECRET_ENV} / {SECRET_FILE_ENV}; Checkmate does not run "
+            "unauthenticated"
+        )
+    first_source, first = found[0]
+    for source, other in found[1:]:
+        if not hmac.compare_digest(first, other):
+            raise AuthConfigError(f"the job secret in {source} differs from the one in {first_source}")
+    return first
+
+
+def derive_key(secret: bytes, purpose: str, job_id: int | None = None) -> bytes:
+    """A 32-byte key for one purpose: HMAC-SHA256(secret, "checkmate/<purpose>[/<job>]")."""
+    label = f"checkmate/{purpose}" + ("" if job_id is None else f"/{job_id}")
+    return hmac.digest(secret, label.encode(), "sha256")
+
+
+class DatagramAuth:
+    """Tags and checks one job's transport control datagrams (16-byte HMAC-SHA256 after the payload).
+
+    The tag covers the whole datagram (header and payload), so the job, iteration,
+    bucket, sender rank and sequence (the replay guard: a cumulative ACK or a
+    repair answer is only accepted for a sequence or request the receiver has
+    outstanding) cannot be changed without the key.
+    """
+
+    def __init__(self, secret: bytes, job_id: int) -> None:
+        self.job_id = job_id
+        self._key = derive_key(secret, "transport", job_id)
+
+    def tag(self, parts: Sequence[Buffer]) -> bytes:
+        message = b"".join(parts)
+        return hmac.digest(self._key, message, "sha256")[:DATAGRAM_TAG_BYTES]
+
+    def seal(self, parts: Sequence[Buffer]) -> tuple[Buffer, ...]:
+        """``parts`` of a datagram with its tag appended (for ``sendmsg``)."""
+        return (*parts, self.tag(parts))
+
+    def open(self, datagram: memoryview) -> memoryview | None:
+        """The datagram without its tag, or None if the tag is missing or wrong."""
+        if len(datagram) < _HEADER_BYTES + DATAGRAM_TAG_BYTES:
+            return None
+        body = datagram[:-DATAGRAM_TAG_BYTES]
+        expected = hmac.digest(self._key, body, "sha256")[:DATAGRAM_TAG_BYTES]
+        if not hmac.compare_digest(expected, datagram[-DATAGRAM_TAG_BYTES:]):
+            return None
+        return body
+
+
+def needs_tag(datagram: Buffer) -> bool:
+    """Whether a datagram's type is one that must carry a tag (false for DATA and for runts)."""
+    return len(datagram) >= _HEADER_BYTES and datagram[1] in AUTHENTICATED_TYPES
+
+
+def datagram_job(datagram: Buffer) -> int:
+    """The job id field of a packed header (bytes 4..8)."""
+    return int.from_bytes(bytes(datagram[4:8]), "big")
+
+
+class DatagramKeys:
+    """One secret's :class:`DatagramAuth` per job id, made on first use (thread-safe)."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+        self._by_job: dict[int, DatagramAuth] = {}
+        self._lock = threading.Lock()
+
+    def for_job(self, job_id: int) -> DatagramAuth:
+        auth = self._by_job.get(job_id)
+        if auth is None:
+            with self._lock:
+                auth = self._by_job.setdefault(job_id, DatagramAuth(self._secret, job_id))
+        return auth
+
+    def open(self, datagram: memoryview) -> memoryview | None:
+        """``datagram`` unchanged if its type carries no tag; without its tag if the tag is right; else None."""
+        if not needs_tag(datagram):
+            return datagram
+        return self.for_job(datagram_job(datagram)).open(datagram)
