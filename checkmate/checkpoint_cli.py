@@ -1,4 +1,9 @@
-"""``checkmate-ckpt``: inspect, verify, convert and reshard universal checkpoints."""
+"""``checkmate-ckpt``: inspect, verify, convert, reshard and import universal checkpoints.
+
+``plan`` / ``convert --to ranks`` / ``reshard --layout`` know parallel layouts
+(``tp=2,pp=2,dp=3,zero=1``, ``dp=2,fsdp=1``; :mod:`checkmate.universal`);
+``import`` reads rank files of any layout, DeepSpeed universal folders and torch DCP.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,10 @@ from checkmate import checkpoint_format as fmt
 from checkmate.checkpoint_export import export_dcp, export_deepspeed_universal, export_safetensors, reshard
 from checkmate.checkpoint_format import CheckpointError, CheckpointReader
 from checkmate.checkpoint_load import data_position
+from checkmate.universal.convert import from_rank_files, plan, to_rank_files
+from checkmate.universal.interop import import_dcp, import_deepspeed_universal
+from checkmate.universal.layout import Layout
+from checkmate.universal.spec import ReshapeSpec
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +72,58 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _spec(args: argparse.Namespace) -> ReshapeSpec | None:
+    return ReshapeSpec.load(Path(args.spec)) if getattr(args, "spec", None) else None
+
+
+def _to_ranks(reader: CheckpointReader, args: argparse.Namespace) -> int:
+    if not args.layout:
+        raise CheckpointError("--to ranks needs --layout (e.g. tp=2,dp=2)")
+    layout = Layout.parse(args.layout)
+    where, elements = to_rank_files(reader, Path(args.output), layout, _spec(args))
+    print(
+        f"wrote step {reader.step} as {layout.world_size} rank files of {layout.describe()} to {where} "
+        f"({elements} elements read)"
+    )
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    reader = _reader(args)
+    layout = Layout.parse(args.layout)
+    ranks = plan(reader, layout, _spec(args))
+    if args.json:
+        print(json.dumps({"layout": layout.describe(), "step": reader.step, "ranks": ranks}, indent=1))
+        return 0
+    print(f"step {reader.step} fits {layout.describe()} ({layout.world_size} ranks)")
+    for item in ranks:
+        flat = (
+            f", flat optimizer partition {item['flat_state_elements']}" if item["flat_state_elements"] else ""
+        )
+        print(
+            f"  rank {item['rank']:3d} {item['coords']}: {item['parameters']} parameters, "
+            f"{item['param_elements']} elements{flat}"
+        )
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    source, output = Path(args.source), Path(args.output)
+    if args.kind == "ranks":
+        where = from_rank_files(source, output, args.shards)
+    elif args.kind == "deepspeed":
+        where = import_deepspeed_universal(source, output, args.shards)
+    else:
+        where = import_dcp(source, output, _spec(args), args.tp, args.vocab, args.step or 0, args.shards)
+    print(f"imported {args.kind} checkpoint {source} as {where}")
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     reader = _reader(args)
     output = Path(args.output)
+    if args.to == "ranks":
+        return _to_ranks(reader, args)
     if args.to == "dcp":
         where = export_dcp(reader, output)
     elif args.to == "safetensors":
@@ -78,6 +136,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_reshard(args: argparse.Namespace) -> int:
     reader = _reader(args)
+    if (args.shards is None) == (args.layout is None):
+        raise CheckpointError("reshard needs one of --shards K (universal writers) or --layout (rank files)")
+    if args.layout is not None:
+        return _to_ranks(reader, args)
     where = reshard(reader, Path(args.output), args.shards)
     print(f"wrote step {reader.step} as {args.shards} shards to {where}")
     return 0
@@ -97,15 +159,41 @@ def build_parser() -> argparse.ArgumentParser:
     add("inspect", "show steps, shards and parameters").add_argument("--json", action="store_true")
     add("verify", "check coverage and every checksum (reads every byte)")
     convert = add("convert", "export to another format")
-    convert.add_argument("--to", required=True, choices=["dcp", "safetensors", "deepspeed"])
+    convert.add_argument("--to", required=True, choices=["dcp", "safetensors", "deepspeed", "ranks"])
     convert.add_argument("--output", "-o", required=True)
-    resharded = add("reshard", "rewrite with another number of shard writers")
-    resharded.add_argument("--shards", type=int, required=True)
+    resharded = add("reshard", "rewrite with another number of shard writers, or as a layout's rank files")
+    resharded.add_argument("--shards", type=int, default=None)
     resharded.add_argument("--output", "-o", required=True)
+    planned = add("plan", "check that a layout can hold the checkpoint; show each rank's share")
+    planned.add_argument("--json", action="store_true")
+    for command, required in ((convert, False), (resharded, False), (planned, True)):
+        command.add_argument(
+            "--layout",
+            required=required,
+            default=None,
+            help="target layout, e.g. tp=2,pp=1,dp=3,zero=1 or dp=2,fsdp=1",
+        )
+        command.add_argument("--spec", default=None, help="reshape spec JSON (default: the checkpoint's own)")
+    imported = sub.add_parser("import", help="import rank files, a DeepSpeed universal folder or a torch DCP")
+    imported.add_argument("kind", choices=["ranks", "deepspeed", "dcp"])
+    imported.add_argument("source", help="rank-file folder / DeepSpeed folder holding zero/ / DCP folder")
+    imported.add_argument("--output", "-o", required=True, help="new universal checkpoint root")
+    imported.add_argument("--shards", type=int, default=1)
+    imported.add_argument("--spec", default=None, help="dcp: reshape spec JSON of the model")
+    imported.add_argument("--tp", type=int, default=1, help="dcp: TP degree of the job that saved it")
+    imported.add_argument("--vocab", type=int, default=None, help="dcp: real vocabulary size (trims padding)")
+    imported.add_argument("--step", type=int, default=None, help="dcp: step to record (default: Adam's step)")
     return parser
 
 
-COMMANDS = {"inspect": cmd_inspect, "verify": cmd_verify, "convert": cmd_convert, "reshard": cmd_reshard}
+COMMANDS = {
+    "inspect": cmd_inspect,
+    "verify": cmd_verify,
+    "convert": cmd_convert,
+    "reshard": cmd_reshard,
+    "plan": cmd_plan,
+    "import": cmd_import,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

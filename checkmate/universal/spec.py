@@ -48,7 +48,7 @@ class ReshapeRule:
     average: bool = False
 
     def describe(self) -> str:
-        bits = [f"pattern {self.pattern!r}", f"cat_dim={self.cat_dim}"]
+        bits = [f"pattern '{self.pattern}'", f"cat_dim={self.cat_dim}"]
         if self.parts:
             bits.append(f"parts={list(self.parts)}")
         if self.vocab:
