@@ -29,6 +29,7 @@ from checkmate import checkpoint_format as fmt
 from checkmate.checkpoint_format import PARAM_STATE, CheckpointError, CheckpointReader
 from checkmate.universal.box_reader import BoxReader
 from checkmate.universal.extract import AtomMerger, Record, records_of_flat, records_of_tensor
+from checkmate.universal.geometry import numel
 from checkmate.universal.layout import Layout, RankHoldings, rank_holdings
 from checkmate.universal.load import RankState, checkpoint_shapes, load_rank, resolve_spec
 from checkmate.universal.rank_files import (
@@ -68,7 +69,7 @@ def plan(reader: CheckpointReader, layout: Layout, spec: ReshapeSpec | None = No
     out = []
     for rank in range(layout.world_size):
         holdings = rank_holdings(layout, spec, shapes, rank)
-        param_elements = sum(_count(p.logical) for t in holdings.tensors.values() for p in t.pieces)
+        param_elements = sum(numel(p.logical) for t in holdings.tensors.values() for p in t.pieces)
         out.append(
             {
                 "rank": rank,
@@ -79,13 +80,6 @@ def plan(reader: CheckpointReader, layout: Layout, spec: ReshapeSpec | None = No
             }
         )
     return out
-
-
-def _count(box: tuple[tuple[int, int], ...]) -> int:
-    total = 1
-    for a, b in box:
-        total *= b - a
-    return total
 
 
 @contextmanager

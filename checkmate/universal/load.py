@@ -231,10 +231,10 @@ def load_module(
     local_names = rank_holdings(layout, spec, shapes, rank).local_names
     for group in optimizer.param_groups:
         for parameter in group["params"]:
-            local = by_id.get(id(parameter))
-            if local is None:
+            held = by_id.get(id(parameter))
+            if held is None:
                 raise LayoutError("the optimizer holds a parameter the module does not")
-            tensor = holdings[local]
+            tensor = holdings[held]
             state: dict[str, torch.Tensor] = {}
             for key in reader.states_of(tensor.name):
                 if key == PARAM_STATE:

@@ -76,7 +76,7 @@ def plot(result: dict[str, object], path: Path) -> None:
         top.plot(keys, [losses[k] for k in keys], linestyle="--", marker=".", label=f"resumed as {target}")
         bottom.plot(keys, [max(abs(losses[k] - source[k]), 1e-9) for k in keys], marker=".", label=target)
     for axis in (top, bottom):
-        axis.axvline(result["switch_step"], color="grey", linestyle=":")  # type: ignore[arg-type]
+        axis.axvline(float(result["switch_step"]), color="grey", linestyle=":")  # type: ignore[arg-type]
     top.set_ylabel("training loss")
     top.set_title("Universal checkpoint at the dotted line, resumed in other layouts", fontsize=10)
     top.legend(fontsize=8)
@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "reshard_loss.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, out / "reshard_loss.png")
-    for target, difference in result["max_abs_loss_difference"].items():  # type: ignore[union-attr]
+    differences: dict[str, float] = result["max_abs_loss_difference"]  # type: ignore[assignment]
+    for target, difference in differences.items():
         sys.stdout.write(f"{SOURCE} -> {target}: largest |loss difference| {difference:.2e}\n")
     sys.stdout.write(f"wrote {out / 'reshard_loss.json'} and {out / 'reshard_loss.png'}\n")
     return 0

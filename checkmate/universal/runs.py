@@ -68,7 +68,11 @@ def _grads_over_dp(model: torch.nn.Module, group: object, dp: int) -> None:
         grad = parameter.grad
         if grad is None:
             continue
-        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(parameter.placements):
+        if (
+            isinstance(grad, DTensor)
+            and isinstance(parameter, DTensor)
+            and grad.placements != parameter.placements
+        ):
             grad = grad.redistribute(placements=parameter.placements)
             parameter.grad = grad
         local = _local(grad)
@@ -108,6 +112,8 @@ def _step(
             hidden.requires_grad_()
             loss = F.cross_entropy(model(hidden).reshape(-1, config.vocab), targets.reshape(-1))
             loss.backward()
+            if hidden.grad is None:
+                raise RuntimeError("stage 1 computed no gradient for its input activations")
             dist.send(hidden.grad.contiguous(), dst=rank - layout.dp * layout.tp)
     if layout.dp > 1 and not layout.fsdp:
         _grads_over_dp(model, dp_group, layout.dp)

@@ -30,6 +30,7 @@ from torch import nn
 from checkmate import checkpoint_format as fmt
 from checkmate.checkpoint_format import PARAM_STATE
 from checkmate.universal.extract import AtomMerger, Record, records_of_tensor
+from checkmate.universal.geometry import numel, whole
 from checkmate.universal.layout import Layout, LocalTensor, rank_holdings
 from checkmate.universal.load import _local, module_holdings, optimizer_meta
 from checkmate.universal.rank_files import read_rank_records, write_rank_file
@@ -68,18 +69,11 @@ def assign_owners(shapes: Mapping[str, Sequence[int]], writers: int) -> list[lis
     """Whole parameters to ``writers`` shard writers, largest first onto the least loaded."""
     loads = [0] * writers
     owners: list[list[str]] = [[] for _ in range(writers)]
-    for name in sorted(shapes, key=lambda n: (-_numel(shapes[n]), n)):
+    for name in sorted(shapes, key=lambda n: (-numel(whole(shapes[n])), n)):
         target = loads.index(min(loads))
         owners[target].append(name)
-        loads[target] += _numel(shapes[name])
+        loads[target] += numel(whole(shapes[name]))
     return owners
-
-
-def _numel(shape: Sequence[int]) -> int:
-    total = 1
-    for n in shape:
-        total *= n
-    return total
 
 
 def save_universal(
