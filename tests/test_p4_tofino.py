@@ -76,7 +76,9 @@ def test_p4test_front_end_passes_the_tna_program_without_uninitialized_headers()
         arch = "tna.p4" if tofino == "1" else "t2na.p4"
         if not (include / arch).is_file():
             continue
-        run = _p4test("-I", str(include), f"-D__TARGET_TOFINO__={tofino}", str(P4SRC / "tna" / "checkmate.p4"))
+        run = _p4test(
+            "-I", str(include), f"-D__TARGET_TOFINO__={tofino}", str(P4SRC / "tna" / "checkmate.p4")
+        )
         assert run.returncode == 0, run.stderr
         assert "uninitialized" not in run.stderr, run.stderr
         assert _unexpected([line for line in run.stderr.splitlines() if "warning:" in line]) == [], run.stderr
