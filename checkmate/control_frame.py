@@ -173,7 +173,7 @@ class ControlSession:
             raise FrameAuthError("frame not authenticated with this job's key (wrong or no secret)")
         json_len, blob_len = parse_prefix(head)
         job, run, seq = GUARD.unpack_from(bytes(head), PREFIX.size)
-        if self.job_id is not None and job != self.job_id:
+        if self.job_id and job and job != self.job_id:  # 0: a shadow that has no job yet
             raise FrameAuthError(f"frame for job {job} on a connection of job {self.job_id}")
         if self._peer_run is None:
             self.auth.claim_run(run)

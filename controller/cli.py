@@ -26,6 +26,7 @@ from checkmate.job import JobSpec, JobSpecError
 from checkmate.network import Network, NetworkError
 from controller.controller import Controller
 from controller.errors import ControllerError
+from controller.job_secrets import JobSecrets
 from controller.pipeline import DEFAULT_P4INFO, PipelineConfig, Target
 from controller.registry import Registry
 from controller.shadow_status import (
@@ -208,6 +209,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="shard key K goes to SHADOW",
     )
     add.add_argument("--shadow-port", type=int, help="UDP port the shadows receive copies on (default 48879)")
+    add.add_argument(
+        "--secret-file",
+        type=Path,
+        help="take the job's secret from this file (hex); default: create one. Either way it is kept "
+        "in the registry (mode 0600); never give a secret on a command line",
+    )
+    secret = job_cmds.add_parser(
+        "secret",
+        help="where a job's secret is kept; check a job file against it",
+        description="Print the path of the job's secret in the registry (hex, mode 0600; put it in job "
+        "files as \"secret\" or hand it over as CHECKMATE_JOB_SECRET_FILE). With --check FILE, fail "
+        "unless FILE's secret is the registry's. No switch access.",
+    )
+    secret.add_argument("job_id", type=int)
+    secret.add_argument("--check", type=Path, metavar="JOB_FILE", help="compare this job file's secret")
     remove = job_cmds.add_parser(
         "remove", help="remove a job from the switches and the registry", description="Remove a job."
     )
@@ -316,6 +332,15 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         for record in records:
             _print_job_line(record.spec, record.slot)
         return 0
+    if args.command == "job" and args.action == "secret":
+        secrets = JobSecrets(state_dir)
+        secrets.read(args.job_id)  # present, private, well formed
+        if args.check is not None:
+            secrets.check_job_file(args.job_id, args.check)
+            print(f"{args.check}: the secret is job {args.job_id}'s")
+        else:
+            print(secrets.path(args.job_id))
+        return 0
 
     if args.network is None:
         parser.error("--network FILE is required for this command (or set $CHECKMATE_NETWORK)")
@@ -364,10 +389,15 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return 0
         if args.action == "add":
             assert spec is not None
+            secrets = JobSecrets(state_dir)
+            if args.secret_file is not None:
+                secrets.create(0, args.secret_file)  # refuse a bad secret before touching the switches
+                secrets.remove(0)
             record = ctl.add_job(spec)
+            path = secrets.create(spec.job_id, args.secret_file)
             print(
                 f"job {spec.job_id} added: slot {record.slot}, {len(record.groups)} multicast group(s), "
-                f"{len(record.rids)} shadow rewrite(s)"
+                f"{len(record.rids)} shadow rewrite(s); secret kept in {path} (mode 0600)"
             )
             return 0
         if args.action == "resize":
@@ -377,6 +407,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return 0
         if args.action == "remove":
             ctl.remove_job(args.job_id)
+            JobSecrets(state_dir).remove(args.job_id)
             print(f"job {args.job_id} removed")
             return 0
         if args.action == "show":
@@ -395,7 +426,9 @@ def _show(ctl: Controller, network: Network, args: argparse.Namespace) -> None:
         for name in sorted(set(overrides) - set(record.spec.shadows)):
             logger.warning("--shadow-address %s: job %d has no shadow %s", name, args.job_id, name)
         addresses = shadow_addresses(record.spec, network, args.shadow_control_port, overrides)
-        shadows = query_shadows(addresses, args.shadow_timeout, record.spec.job_id)
+        state_dir = args.state_dir if args.state_dir is not None else default_state_dir()
+        secret = JobSecrets(state_dir).read(args.job_id)
+        shadows = query_shadows(addresses, args.shadow_timeout, record.spec.job_id, secret)
     if args.json:
         out = {
             "job": record.spec.to_json(),

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from checkmate.control import (
     Certified,
     ControlProtocolError,
+    Diverged,
     Goodbye,
     JobStart,
     Message,
     recv_message,
     send_message,
 )
-from checkmate.control_frame import ControlAuth, bind, process_auth
 from hosts.transport import Addr
 
 logger = logging.getLogger(__name__)
@@ -57,15 +57,15 @@ class ShadowLink:
         config: ControlConfig,
         job_id: int,
         on_certified: Callable[[str, Certified], None] | None = None,
-        auth: ControlAuth | None = None,
     ) -> None:
         self.name = name
-        self._auth = auth if auth is not None else process_auth()
         self.job_id = job_id
         self._busy = False
         self.address = address
         self.config = config
         self.on_certified = on_certified
+        self.on_diverged: Callable[[str, Diverged], None] | None = None
+        """Called with a shadow's divergence report (set by :class:`ControlChannel`)."""
         self.counters: dict[str, int] = {}
         self._queue: deque[Message] = deque()
         self._cond = threading.Condition()
@@ -169,7 +169,6 @@ class ShadowLink:
             self._stop.wait(self.config.reconnect_interval)
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        bind(sock, self._auth, self.job_id)
         with self._cond:
             self._sock = sock
             self._needs_state = True
@@ -213,6 +212,10 @@ class ShadowLink:
                 self._count("certified")
                 if self.on_certified is not None:
                     self.on_certified(self.name, reply)
+            elif isinstance(reply, Diverged):
+                self._count("diverged")
+                if self.on_diverged is not None:
+                    self.on_diverged(self.name, reply)
             elif isinstance(reply, Goodbye):
                 raise ConnectionError(f"shadow said goodbye: {reply.reason}")
             else:
@@ -222,20 +225,42 @@ class ShadowLink:
 class ControlChannel:
     """Links from rank 0 to every shadow of a job."""
 
-    def __init__(
-        self,
-        job_id: int,
-        shadows: Mapping[str, Addr],
-        config: ControlConfig | None = None,
-        secret: bytes | None = None,
-    ) -> None:
-        """``secret``: the job's (None: this process's, :func:`checkmate.auth.secret_from_env`)."""
+    def __init__(self, job_id: int, shadows: Mapping[str, Addr], config: ControlConfig | None = None) -> None:
         self.config = config or ControlConfig()
-        self._auth = ControlAuth(secret) if secret is not None else process_auth()
         self.job_id = job_id
         self.certified: dict[str, int] = {}
+        self.divergences: list[dict[str, object]] = []
+        """Every divergence a shadow reported, oldest first (see :class:`~checkmate.control.Diverged`)."""
         self._lock = threading.Condition()
-        self.links = [ShadowLink(n, a, self.config, job_id, self._on_certified, self._auth) for n, a in shadows.items()]
+        self.links = [ShadowLink(n, a, self.config, job_id, self._on_certified) for n, a in shadows.items()]
+
+        for link in self.links:
+            link.on_diverged = self._on_diverged
+
+    def _on_diverged(self, name: str, message: Diverged) -> None:
+        """A shadow's state differs from rank 0's: withdraw its certificates after the last verified one."""
+        logger.error(
+            "checkmate: shadow %s DIVERGED from the workers: after iteration %d its state differs "
+            "from rank 0's fingerprint (%s); its certification after iteration %d is withdrawn and it "
+            "is being re-seeded. Something between the all-reduce and optimizer.step() changed the "
+            "gradients in a way the shadows do not reproduce (docs/shadow.md, 'What the shadows reproduce').",
+            name,
+            message.iteration,
+            ", ".join(message.mismatches[:5]) + (" ..." if len(message.mismatches) > 5 else ""),
+            message.last_verified,
+        )
+        with self._lock:
+            self.divergences.append(
+                {
+                    "shadow": name,
+                    "iteration": message.iteration,
+                    "last_verified": message.last_verified,
+                    "mismatches": list(message.mismatches),
+                }
+            )
+            if name in self.certified:
+                self.certified[name] = min(self.certified[name], message.last_verified)
+            self._lock.notify_all()
 
     def _on_certified(self, name: str, message: Certified) -> None:
         with self._lock:
@@ -301,10 +326,12 @@ class ControlChannel:
         leaving = [link for link in self.links if link not in keep]
         kept = {link.name for link in keep}
         new = [
-            ShadowLink(name, address, self.config, self.job_id, self._on_certified, self._auth)
+            ShadowLink(name, address, self.config, self.job_id, self._on_certified)
             for name, address in shadows.items()
             if name not in kept
         ]
+        for link in new:
+            link.on_diverged = self._on_diverged
         with self._lock:
             self.links = keep + new
             for link in leaving:

@@ -22,10 +22,20 @@ which
   flag, and the data position the script set with
   :meth:`CheckmateAgent.set_data_position`) over the control channel, after
   the initial state;
-* replaces ``torch.nn.utils.clip_grad_norm_`` with :func:`clip_grad_norm_`,
-  which does exactly the same and records the clamped float32 coefficient
-  for the commit record (scripts that imported the function by name before
-  the call should call ``hosts.clip_grad_norm_`` instead).
+* refuses (raising :class:`~checkmate.optimizers.OptimizerReplayError`) an
+  optimizer the shadows cannot replay, and pins its implementation (``foreach``
+  explicit in every param group) so both sides run the same kernels;
+* records every multiplication of the gradients between the all-reduce and the
+  step: ``clip_grad_norm_``'s clamped coefficient (however it was imported: the
+  recording sits in torch's helper) and ``GradScaler``'s inverse scale, in
+  order, plus the parameters whose ``grad`` is None at the step; all go into
+  the commit record, and the shadows do the same;
+* on rank 0, sends a fingerprint of its state with every K-th commit
+  (``CHECKMATE_FINGERPRINT_EVERY``): a shadow that differs reports it
+  (:attr:`CheckmateAgent.divergences`, an error in this log) and is re-seeded;
+* raises :class:`CheckmateStateError` at ``optimizer.step()`` (before it changes
+  anything) for a closure, a param group added or a model parameter replaced
+  after enable.
 
 Iterations are numbered by all-reduce rounds from 0: every backward pass that
 reduces gradients is one iteration (``no_sync`` micro-batches are not). An
@@ -60,7 +70,9 @@ from checkmate.control import (
     dtype_name,
     validate_data_position,
 )
+from checkmate.fingerprint import fingerprint as state_fingerprint
 from checkmate.job import JobSpec
+from checkmate.optimizers import check_replayable, describe, pin_implementation
 from checkmate.wire import CHECKMATE_UDP_PORT
 from hosts.control_channel import ControlChannel, ControlConfig
 from hosts.faults import FaultConfig
@@ -107,8 +119,14 @@ class CheckmateConfig:
     """The ``CHECKMATE_JOB_FILE`` this came from. Rank 0 re-reads it when it changes and follows a
     new shard map (``checkmate-ctl shadow move``): links to shadows that left close, links to new
     ones open and get the current state. A change of job id or workers needs a restart."""
+    fingerprint_every: int = 1
+    """Rank 0 sends a fingerprint of its state (:mod:`checkmate.fingerprint`) with every K-th
+    commit (``CHECKMATE_FINGERPRINT_EVERY``; 0: never); a shadow whose state differs says so
+    within K iterations, withdraws its certification and is re-seeded."""
 
     def __post_init__(self) -> None:
+        if self.fingerprint_every < 0:
+            raise CheckmateConfigError(f"fingerprint_every ({self.fingerprint_every}) must not be negative")
         if self.start_iteration < 0 or self.optimizer_step < 0:
             raise CheckmateConfigError(
                 f"start_iteration ({self.start_iteration}) and optimizer_step ({self.optimizer_step}) "
@@ -203,6 +221,7 @@ class CheckmateConfig:
             start_iteration=_int_env(env, "CHECKMATE_START_ITERATION", 0),
             optimizer_step=_int_env(env, "CHECKMATE_OPTIMIZER_STEP", 0),
             job_file=job_file,
+            fingerprint_every=_int_env(env, "CHECKMATE_FINGERPRINT_EVERY", 1),
         )
 
 
@@ -256,10 +275,73 @@ def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
         raise CheckmateConfigError(f"{name}={text!r} is not an integer") from None
 
 
-# ---- gradient clipping ------------------------------------------------------------------
-_ORIGINAL_CLIP = torch.nn.utils.clip_grad_norm_
+# ---- gradient transformations: clipping and GradScaler's unscaling -----------------------
+# torch's clip_grad_norm_ looks its helper _clip_grads_with_norm_ up in its module's globals at
+# each call, so replacing that helper sees every clip_grad_norm_ call however the script
+# imported the function (``from torch.nn.utils import clip_grad_norm_`` before enable included).
+# GradScaler.unscale_ (and step's implicit unscale) multiply the gradients through the class's
+# _unscale_grads_, replaced at class level for every scaler instance. Both record the factor they
+# multiplied by for the commit; the shadows repeat the multiplications in the same order.
+_ORIGINAL_CLIP = torch.nn.utils.clip_grad.clip_grad_norm_
+_ORIGINAL_CLIP_WITH_NORM = torch.nn.utils.clip_grad._clip_grads_with_norm_
+_ORIGINAL_UNSCALE = torch.amp.grad_scaler.GradScaler._unscale_grads_
 _AGENTS: list[CheckmateAgent] = []
 _AGENTS_LOCK = threading.Lock()
+
+
+def _live_agents() -> list[CheckmateAgent]:
+    with _AGENTS_LOCK:
+        return list(_AGENTS)
+
+
+@torch.no_grad()
+def _recording_clip_grads_with_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    total_norm: torch.Tensor,
+    foreach: bool | None = None,
+) -> None:
+    """torch's ``_clip_grads_with_norm_``, recording the clamped coefficient it multiplied by."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    _ORIGINAL_CLIP_WITH_NORM(params, max_norm, total_norm, foreach)
+    if any(p.grad is not None for p in params):
+        coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)  # as torch computes it
+        ids = frozenset(id(p) for p in params if p.grad is not None)
+        for agent in _live_agents():
+            agent._record_scaling("clip", coefficient, ids)
+
+
+def _recording_unscale_grads_(
+    scaler: torch.amp.GradScaler,
+    optimizer: torch.optim.Optimizer,
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    allow_fp16: bool,
+) -> dict[torch.device, torch.Tensor]:
+    """GradScaler's ``_unscale_grads_``, recording the inverse scale it multiplied the gradients by."""
+    result = _ORIGINAL_UNSCALE(scaler, optimizer, inv_scale, found_inf, allow_fp16)
+    if float(inv_scale) != 1.0:  # 1.0: the inf check without unscaling (x * 1 == x)
+        for agent in _live_agents():
+            if agent.optimizer is optimizer:
+                agent._record_scaling("unscale", inv_scale, None)
+    return result
+
+
+def _install_patches() -> None:
+    """Route clipping and unscaling through the recorders (lock held by the caller)."""
+    torch.nn.utils.clip_grad._clip_grads_with_norm_ = _recording_clip_grads_with_norm_
+    torch.nn.utils.clip_grads_with_norm_ = _recording_clip_grads_with_norm_
+    torch.amp.grad_scaler.GradScaler._unscale_grads_ = _recording_unscale_grads_  # type: ignore[method-assign]
+
+
+def _remove_patches() -> None:
+    torch.nn.utils.clip_grad._clip_grads_with_norm_ = _ORIGINAL_CLIP_WITH_NORM
+    torch.nn.utils.clip_grads_with_norm_ = _ORIGINAL_CLIP_WITH_NORM
+    torch.amp.grad_scaler.GradScaler._unscale_grads_ = _ORIGINAL_UNSCALE  # type: ignore[method-assign]
+
+
+class CheckmateStateError(RuntimeError):
+    """The model or optimizer changed in a way the shadows cannot follow (raised where it happens)."""
 
 
 @torch.no_grad()
@@ -270,24 +352,12 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
 ) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_``, bit for bit, recording the coefficient it applied.
+    """``torch.nn.utils.clip_grad_norm_`` itself (kept for scripts written against earlier versions).
 
-    Same arithmetic as torch's (``get_total_norm`` then ``clip_grads_with_norm_``);
-    the clamped coefficient ``min(max_norm / (total_norm + 1e-6), 1)`` as a float32
-    goes into the next commit record of the agent owning these parameters.
+    Since clipping is recorded inside torch's helper, ``torch.nn.utils.clip_grad_norm_``
+    is recorded however it was imported; this name only calls it.
     """
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    grads = [p.grad for p in params if p.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach)
-    if grads:
-        coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
-        ids = {id(p) for p in params}
-        with _AGENTS_LOCK:
-            agents = list(_AGENTS)
-        for agent in agents:
-            agent._record_clip(ids, float(coefficient.to(torch.float32).item()))
-    return total_norm
+    return _ORIGINAL_CLIP(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
 # ---- the agent --------------------------------------------------------------------------
@@ -324,6 +394,9 @@ class CheckmateAgent:
         self.config = config
         self.rank = config.rank
         module = ddp_model.module
+        # Fail fast, on every rank alike: what the shadows cannot replay is refused here.
+        check_replayable(optimizer)
+        pin_implementation(optimizer)
         self.names: dict[int, str] = {id(p): n for n, p in module.named_parameters()}
         self._param_ids = set(self.names)
         workers = self._rendezvous(config)
@@ -352,7 +425,10 @@ class CheckmateAgent:
         self._bucket_layout: dict[int, BucketSpec] = {}
         self._layout_sent: list[BucketSpec] | None = None
         self._uncommitted: int | None = None
-        self._clip_coefficient: float | None = None
+        self._scaling: list[tuple[str, float, torch.dtype, frozenset[int] | None]] = []
+        """Gradient multiplications (unscale, clip) since the last commit, in order."""
+        self._no_grad: list[str] = []
+        """Rank 0: the optimizer's parameters without a gradient at this iteration's step."""
         self._last_hyper: list[dict[str, Any]] = []
         self.optimizer_steps = config.optimizer_step
         self._data_position: Any = None
@@ -376,10 +452,12 @@ class CheckmateAgent:
             dist.barrier()  # every rank's transport is up before the first gradient moves
         ddp_model.register_comm_hook(self, _hook)
         self._step_handle = optimizer.register_step_post_hook(self._after_step)
+        self._structure = self._structure_now()
+        self._pre_step_handle = optimizer.register_step_pre_hook(self._before_step)
+        self._guard_add_param_group()
         with _AGENTS_LOCK:
             _AGENTS.append(self)
-        torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
-        torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+            _install_patches()
         logger.info(
             "checkmate: job %d rank %d/%d on %s:%d, ring %s",
             config.job_id,
@@ -440,7 +518,7 @@ class CheckmateAgent:
             world_size=self.config.world_size,
             workers=list(self.workers),
             parameters=params,
-            optimizer={"kind": type(self.optimizer).__name__, "param_groups": groups},
+            optimizer={**describe(self.optimizer), "param_groups": groups},
             start_iteration=start_iteration,
             tensors=tensors,
             optimizer_scalars=scalars,
@@ -511,10 +589,81 @@ class CheckmateAgent:
         self._uncommitted = self.iteration
         self.iteration += 1
 
-    # ---- the optimizer step post-hook -----------------------------------------------
-    def _record_clip(self, parameter_ids: set[int], coefficient: float) -> None:
-        if parameter_ids & self._param_ids:
-            self._clip_coefficient = coefficient
+    # ---- the optimizer step hooks ----------------------------------------------------
+    def _record_scaling(self, by: str, factor: torch.Tensor, parameter_ids: frozenset[int] | None) -> None:
+        """A multiplication of (some of) this job's gradients since the last commit, in order."""
+        if parameter_ids is not None:
+            parameter_ids = parameter_ids & self._param_ids
+            if not parameter_ids:
+                return
+            if parameter_ids >= self._param_ids:
+                parameter_ids = None
+        self._scaling.append((by, float(factor.detach().to("cpu")), factor.dtype, parameter_ids))
+
+    def _structure_now(self) -> tuple[Any, ...]:
+        """What the shadows were told at enable: param groups' members, the model's parameters."""
+        groups = tuple(tuple(id(p) for p in g["params"]) for g in self.optimizer.param_groups)
+        params = tuple((n, id(p), tuple(p.shape), p.dtype) for n, p in self.model.module.named_parameters())
+        return groups, params
+
+    def _structure_error(self) -> str | None:
+        groups, params = self._structure_now()
+        old_groups, old_params = self._structure
+        kind = type(self.optimizer).__name__
+        if len(groups) != len(old_groups):
+            return (
+                f"{kind} now has {len(groups)} param groups, {len(old_groups)} when checkmate was enabled "
+                "(add_param_group after enable_checkmate)"
+            )
+        for index, (now, before) in enumerate(zip(groups, old_groups, strict=True)):
+            if now != before:
+                return f"{kind} param group {index} holds other parameters than when checkmate was enabled"
+        if params != old_params:
+            before_map = {n: (i, s, d) for n, i, s, d in old_params}
+            after_map = {n: (i, s, d) for n, i, s, d in params}
+            for name in sorted(set(before_map) | set(after_map)):
+                if name not in after_map:
+                    return f"model parameter {name!r} is gone"
+                if name not in before_map:
+                    return f"model parameter {name!r} is new"
+                if before_map[name] != after_map[name]:
+                    (_, s0, d0), (_, s1, d1) = before_map[name], after_map[name]
+                    return f"model parameter {name!r} was replaced ({list(s0)} {d0} -> {list(s1)} {d1})"
+        return None
+
+    def _guard_add_param_group(self) -> None:
+        optimizer = self.optimizer
+
+        def add_param_group(param_group: dict[str, Any]) -> None:
+            raise CheckmateStateError(
+                f"checkmate: {type(optimizer).__name__}.add_param_group after enable_checkmate: the shadows "
+                "replay the param groups they were given at enable; add every group before enabling "
+                "(the last certified checkpoint is intact)"
+            )
+
+        optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Step pre-hook: refuse what the shadows cannot follow; note parameters without a gradient."""
+        # torch passes step's positional arguments with the optimizer itself first
+        if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:
+            raise CheckmateStateError(
+                f"checkmate: {type(optimizer).__name__}.step was given a closure: the shadows cannot "
+                "re-evaluate the loss; call step() without one (the last certified checkpoint is intact)"
+            )
+        problem = self._structure_error()
+        if problem is not None:
+            raise CheckmateStateError(
+                f"checkmate: {problem}; the shadows cannot follow a changed model or optimizer mid-run: "
+                "restart the job from its last certified checkpoint (which is intact)"
+            )
+        if self.rank == 0:
+            self._no_grad = [
+                self.names[id(p)]
+                for g in optimizer.param_groups
+                for p in g["params"]
+                if p.grad is None and id(p) in self.names
+            ]
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.optimizer_steps += 1
@@ -603,9 +752,30 @@ class CheckmateAgent:
             messages.append(BucketLayout(self.config.job_id, start_iteration, self._layout_sent))
         return messages
 
+    def _gradient_scaling(self) -> tuple[float | None, list[dict[str, Any]]]:
+        """This iteration's gradient multiplications as (legacy clip_coefficient, gradient_scaling)."""
+        records, self._scaling = self._scaling, []
+        if not records:
+            return None, []
+        if (
+            len(records) == 1
+            and records[0][0] == "clip"
+            and records[0][2] is torch.float32
+            and records[0][3] is None
+        ):
+            return records[0][1], []  # the common case reads as before
+        out = []
+        for by, factor, dtype, ids in records:
+            entry: dict[str, Any] = {"by": by, "factor": factor, "dtype": dtype_name(dtype)}
+            if ids is not None:
+                entry["params"] = sorted(self.names[i] for i in ids)
+            out.append(entry)
+        return None, out
+
     def _commit(self, iteration: int, skipped: bool) -> None:
         self._uncommitted = None
-        coefficient, self._clip_coefficient = self._clip_coefficient, None
+        coefficient, scaling = self._gradient_scaling()
+        no_grad, self._no_grad = self._no_grad, []
         position, self._data_position = self._data_position, None
         if position is not None:
             self._committed_position = position
@@ -627,10 +797,26 @@ class CheckmateAgent:
             hyperparameters=changed if any(changed) else [],
             optimizer_step=self.optimizer_steps,
             data_position=position,
+            no_grad=[] if skipped else no_grad,
+            gradient_scaling=[] if skipped else scaling,
+            fingerprint=self._fingerprint(iteration),
         )
         self.commits.append(commit)
         if self.channel is not None:
             self.channel.post(commit)
+
+    def _fingerprint(self, iteration: int) -> dict[str, dict[str, Any]] | None:
+        """Rank 0's state after ``iteration`` (every K-th iteration), for the shadows to compare."""
+        every = self.config.fingerprint_every
+        if self.channel is None or every <= 0 or (iteration + 1) % every:
+            return None
+        named = self.model.module.named_parameters()
+        return state_fingerprint(named, self.optimizer.state)
+
+    @property
+    def divergences(self) -> list[dict[str, Any]]:
+        """Rank 0: every divergence a shadow reported (iteration, shadow, tensors that differ)."""
+        return list(self.channel.divergences) if self.channel is not None else []
 
     def set_data_position(self, position: Any) -> None:
         """Record where to resume reading data if iteration t is the last one restored.
@@ -684,12 +870,13 @@ class CheckmateAgent:
         if self._uncommitted is not None:
             self._commit(self._uncommitted, skipped=True)
         self._step_handle.remove()
+        self._pre_step_handle.remove()
+        vars(self.optimizer).pop("add_param_group", None)  # the class's method again
         with _AGENTS_LOCK:
             if self in _AGENTS:
                 _AGENTS.remove(self)
             if not _AGENTS:
-                torch.nn.utils.clip_grad_norm_ = _ORIGINAL_CLIP
-                torch.nn.utils.clip_grad.clip_grad_norm_ = _ORIGINAL_CLIP
+                _remove_patches()
         if self.channel is not None:
             self._final_state_to_rejoining_shadows(self.channel, timeout)
             self.channel.flush(timeout)

@@ -55,8 +55,6 @@ import torch
 from safetensors.torch import load_file
 
 from checkmate import checkpoint_format as fmt
-from checkmate.auth import DatagramKeys, secret_from_env
-from checkmate.control_frame import ControlAuth, bind
 from checkmate.control import (
     BucketLayout as LayoutMessage,
 )
@@ -65,6 +63,7 @@ from checkmate.control import (
     Certified,
     Commit,
     ControlProtocolError,
+    Diverged,
     Goodbye,
     JobStart,
     Message,
@@ -78,6 +77,8 @@ from checkmate.control import (
     torch_dtype,
     validate_data_position,
 )
+from checkmate.fingerprint import fingerprint as state_fingerprint
+from checkmate.fingerprint import mismatches as fingerprint_mismatches
 from checkmate.job import JobSpec, JobSpecError
 from checkmate.wire import (
     CHECKMATE_UDP_PORT,
@@ -89,7 +90,13 @@ from checkmate.wire import (
     decode,
 )
 from shadow.iteration_window import BucketLayout, DropReason, IterationWindow, ParameterSlot
-from shadow.optimizer_apply import OptimizerSpec, OptimizerSpecError, ShadowOptimizer, StepRecord
+from shadow.optimizer_apply import (
+    GradientScaling,
+    OptimizerSpec,
+    OptimizerSpecError,
+    ShadowOptimizer,
+    StepRecord,
+)
 from shadow.repair import RepairPolicy, RepairTracker, request_datagram
 from shadow.snapshots import Snapshot, SnapshotPolicy, Snapshotter
 
@@ -125,8 +132,6 @@ class ShadowConfig:
     io_timeout: float = 10.0
     """Timeout of each control-channel read and write."""
     recv_buffer_bytes: int = 16 << 20
-    secret: bytes | None = None
-    """The job secret (None: this process's, :func:`checkmate.auth.secret_from_env`; none -> error)."""
 
 
 @dataclass
@@ -169,6 +174,8 @@ class _CommitEntry(NamedTuple):
     """The commit carried a data position (else the previous iteration's stays)."""
     data_position: Any
     """That position, validated; None if it was refused."""
+    fingerprint: dict[str, dict[str, Any]] | None = None
+    """Rank 0's fingerprint of its state after the iteration (None: not checked this iteration)."""
 
 
 @dataclass
@@ -193,11 +200,8 @@ class NodeStats:
     reseeds: int = 0
     resync_requests: int = 0
     certified_sent: int = 0
-
-
-def _from_worker(job: _Job, addr: Addr) -> bool:
-    """A copy or repair answer may only come from one of the job's worker hosts (docs/security.md)."""
-    return not job.workers or any(addr[0] == host for host, _ in job.workers)
+    divergences: int = 0
+    fingerprints_checked: int = 0
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -213,9 +217,6 @@ class ShadowNode:
         self.config = config
         self.name = config.name
         self.stats = NodeStats()
-        secret = config.secret if config.secret is not None else secret_from_env()
-        self._control_auth = ControlAuth(secret)
-        self._datagram_keys = DatagramKeys(secret)
         self._lock = threading.Condition(threading.RLock())
         """Guards job, epoch, stash, commits, repairs; notified on any progress."""
         self._state_lock = threading.Lock()
@@ -225,7 +226,7 @@ class ShadowNode:
         self._epoch: _Epoch | None = None
         self._generation = 0
         self._pending_start: JobStart | None = None
-        self._stash: dict[int, list[tuple[bytearray, float, Addr]]] = {}
+        self._stash: dict[int, list[tuple[bytearray, float]]] = {}
         self._stash_bytes = 0
         self._commits: dict[int, _CommitEntry] = {}
         self._latest_commit = -1
@@ -236,6 +237,11 @@ class ShadowNode:
         """The workers' data position after ``self._applied`` (None: unknown)."""
         self._bad_positions = 0
         self._certified = -1
+        self._last_verified = -1
+        """The last iteration whose state matched rank 0's fingerprint (or was seeded by rank 0)."""
+        self._diverged: dict[str, Any] | None = None
+        """Set when the state differed from rank 0's fingerprint, until rank 0 re-seeds this shadow."""
+        self._last_divergence: dict[str, Any] | None = None
         self._blocked: str | None = None
         self._captures: dict[int, list[_Capture]] = {}
         self._repairs: RepairTracker | None = None
@@ -353,6 +359,8 @@ class ShadowNode:
                 state = "waiting_for_job"
             elif epoch is None:
                 state = "waiting_for_layout"
+            elif self._diverged is not None:
+                state = "diverged"
             elif self._blocked:
                 state = "stalled"
             else:
@@ -368,6 +376,11 @@ class ShadowNode:
                 "blocked": self._blocked,
                 "applied_iteration": self._applied,
                 "certified_iteration": self._certified,
+                "verified_iteration": self._last_verified,
+                "divergence": self._diverged,
+                "last_divergence": self._last_divergence,
+                "divergences": stats.divergences,
+                "fingerprints_checked": stats.fingerprints_checked,
                 "next_iteration": epoch.window.next_iteration if epoch else None,
                 "latest_commit": self._latest_commit,
                 "latest_seen_iteration": max(self._latest_seen, self._latest_commit),
@@ -428,10 +441,6 @@ class ShadowNode:
         with self._lock:
             self.stats.packets_received += 1
             self.stats.bytes_received += len(data)
-            opened = self._datagram_keys.open(data)  # NACK, REPAIR_DATA: MAC checked (checkmate.auth)
-            if opened is None:
-                return self._drop("unauthenticated")
-            data = opened
             try:
                 header, payload = decode(data)
             except WireFormatError:
@@ -448,11 +457,9 @@ class ShadowNode:
             if job is None:
                 if self.config.job_id is not None and header.job_id != self.config.job_id:
                     return self._drop(DropReason.OTHER_JOB.value)
-                return self._stash_datagram(header, data, now, addr)
+                return self._stash_datagram(header, data, now)
             if header.job_id != job.job_id:
                 return self._drop(DropReason.OTHER_JOB.value)
-            if not _from_worker(job, addr):
-                return self._drop("not_from_a_worker")
             if header.msg_type is MessageType.REPAIR_DATA and self._repairs is not None:
                 self._repairs.on_answer(header)
             self._latest_seen = max(self._latest_seen, header.iteration)
@@ -468,17 +475,17 @@ class ShadowNode:
                         return self._drop(refused.value)
                     if header.iteration >= epoch.window.next_iteration + 2 * self.config.horizon:
                         return self._drop(DropReason.TOO_FAR_AHEAD.value)
-                return self._stash_datagram(header, data, now, addr)
+                return self._stash_datagram(header, data, now)
             return self._place(epoch, header, payload)
 
     def _drop(self, reason: str) -> str:
         self.stats.drops[reason] += 1
         return reason
 
-    def _stash_datagram(self, header: CheckmateHeader, data: memoryview, now: float, addr: Addr) -> str | None:
+    def _stash_datagram(self, header: CheckmateHeader, data: memoryview, now: float) -> str | None:
         if self._stash_bytes + len(data) > self.config.stash_bytes:
             return self._drop("stash_full")
-        self._stash.setdefault(header.iteration, []).append((bytearray(data), now, addr))
+        self._stash.setdefault(header.iteration, []).append((bytearray(data), now))
         self._stash_bytes += len(data)
         return None
 
@@ -507,12 +514,9 @@ class ShadowNode:
         for iteration in sorted(self._stash):
             if iteration > limit:
                 break
-            for data, _, source in self._stash.pop(iteration):
+            for data, _ in self._stash.pop(iteration):
                 self._stash_bytes -= len(data)
                 header, payload = decode(data)
-                if self._job is not None and not _from_worker(self._job, source):
-                    self._drop("not_from_a_worker")
-                    continue
                 if header.job_id != epoch.window.job_id:
                     self._drop(DropReason.OTHER_JOB.value)
                     continue
@@ -534,7 +538,6 @@ class ShadowNode:
                 logger.warning("shadow %s: accept failed: %s", self.name, exc)
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            bind(conn, self._control_auth, self.config.job_id, server=True)
             threading.Thread(
                 target=self._serve, args=(conn, peer), name=f"shadow-{self.name}-conn", daemon=True
             ).start()
@@ -640,7 +643,7 @@ class ShadowNode:
             # the failed run's iterations >= start are redone, possibly with other chunks and
             # sums. A layout change within a run keeps copies of later iterations (same run).
             for iteration in [i for i in self._stash if new_run or i < message.start_iteration]:
-                for data, *_ in self._stash.pop(iteration):
+                for data, _ in self._stash.pop(iteration):
                     self._stash_bytes -= len(data)
                     self._drop(DropReason.STALE.value)
             # Commit records arrive on the control connection after their job_start, so any
@@ -721,6 +724,8 @@ class ShadowNode:
             # Certificates name the job's iterations: after a re-seed at t (a restart may
             # resume before what an earlier run certified) the next certificate is t - 1's.
             self._certified = min(self._certified, start.start_iteration - 1)
+            self._last_verified = start.start_iteration - 1  # rank 0's own state
+            self._diverged = None
             self.stats.reseeds += 1
             if self._repairs is not None:
                 self._repairs.forget_before(start.start_iteration)
@@ -752,7 +757,7 @@ class ShadowNode:
                     raise ValueError(f"parameter {piece.name} lies past bucket {bucket.bucket_id}'s end")
                 slots.append(ParameterSlot(piece.name, piece.offset, piece.numel, shapes[piece.name]))
             window_layouts[bucket.bucket_id] = BucketLayout(
-                bucket.bucket_id, bucket.num_elements, tuple(slots)
+                bucket.bucket_id, bucket.num_elements, tuple(slots), torch_dtype(bucket.dtype)
             )
         owned = {s.name for b in owned_buckets for s in window_layouts[b].parameters}
         bucketed = {s.name for layout_ in window_layouts.values() for s in layout_.parameters}
@@ -780,7 +785,7 @@ class ShadowNode:
         initial = {
             key[len("param/") :]: tensor for key, tensor in start.tensors.items() if key.startswith("param/")
         }
-        spec = OptimizerSpec(spec_json["kind"], spec_json["param_groups"])
+        spec = OptimizerSpec.from_json(spec_json)
         optimizer = ShadowOptimizer(initial, spec, owned)
         for name, parameter in optimizer.parameters.items():
             state: dict[str, Any] = {}
@@ -829,12 +834,27 @@ class ShadowNode:
                     {k: tuple(v) if isinstance(v, list) else v for k, v in group.items()}
                     for group in message.hyperparameters
                 ],
+                no_grad=frozenset(message.no_grad),
+                gradient_scaling=tuple(
+                    GradientScaling(
+                        str(op["by"]),
+                        float(op["factor"]),
+                        torch_dtype(op.get("dtype", "float32")),
+                        frozenset(op["params"]) if op.get("params") is not None else None,
+                    )
+                    for op in message.gradient_scaling
+                ),
             )
             if message.iteration <= self._applied:
                 self._drop("stale_commit")
                 return
             self._commits[message.iteration] = _CommitEntry(
-                record, now, message.optimizer_step, sets_position, position
+                record,
+                now,
+                message.optimizer_step,
+                sets_position,
+                position,
+                fingerprint=message.fingerprint,
             )
             self._latest_commit = max(self._latest_commit, message.iteration)
             epoch = self._epoch
@@ -868,6 +888,12 @@ class ShadowNode:
                 if self._epoch is not epoch:
                     continue  # re-seeded meanwhile: this iteration is part of the new state
                 epoch.optimizer.apply(pending.step, gradients)
+                differs = None
+                if entry.fingerprint is not None:
+                    mine = state_fingerprint(
+                        epoch.optimizer.parameters.items(), epoch.optimizer.optimizer.state
+                    )
+                    differs = fingerprint_mismatches(entry.fingerprint, mine)
                 self._applied = pending.iteration
                 self._optimizer_step = entry.optimizer_step
                 if entry.sets_position:
@@ -888,12 +914,57 @@ class ShadowNode:
                 self.stats.applied_elements += sum(p.numel() for p in epoch.optimizer.parameters.values())
                 self.stats.last_commit_to_apply_seconds = time.monotonic() - entry.arrival
                 self._lock.notify_all()
+            if differs:
+                self._on_divergence(pending.iteration, differs)
+                continue  # neither certified nor persisted: rank 0 re-seeds this shadow
+            if differs is not None:
+                with self._lock:
+                    self.stats.fingerprints_checked += 1
+                    if self._diverged is None:
+                        self._last_verified = pending.iteration
             self._certify(pending.iteration)
             self._maybe_snapshot(epoch, pending.iteration)
+
+    def _on_divergence(self, iteration: int, differs: list[str]) -> None:
+        """The state after ``iteration`` differs from rank 0's: withdraw certification, report, re-seed."""
+        with self._lock:
+            self.stats.fingerprints_checked += 1
+            self.stats.divergences += 1
+            first = self._diverged is None
+            last = self._last_verified
+            report = {
+                "iteration": iteration,
+                "last_verified": last,
+                "mismatches": differs[:20],
+                "mismatched_tensors": len(differs),
+                "time": time.time(),
+            }
+            if first:
+                self._diverged = report
+            self._last_divergence = report
+            self._certified = min(self._certified, last)
+            conn = self._control_conn
+        if not first:
+            return  # already reported; waiting for rank 0's fresh state
+        logger.error(
+            "shadow %s: DIVERGED: after iteration %d its state differs from rank 0's fingerprint in %d "
+            "tensors (%s); certification after iteration %d withdrawn; asking rank 0 for fresh state",
+            self.name,
+            iteration,
+            len(differs),
+            ", ".join(differs[:5]),
+            last,
+        )
+        self._send_control(Diverged(self._job_id(), self.name, iteration, last, differs[:20]))
+        if conn is not None:
+            self._request_state(conn, f"state diverged from rank 0's after iteration {iteration}")
+            conn.close()
 
     def _certify(self, iteration: int, again: bool = False) -> None:
         """Certify ``iteration`` to rank 0 (once, unless ``again``: the state rank 0 re-seeded)."""
         with self._lock:
+            if self._diverged is not None:
+                return  # nothing is certified until rank 0 re-seeds this shadow
             if iteration < self._certified or (iteration == self._certified and not again):
                 return
             self._certified = iteration
@@ -902,7 +973,7 @@ class ShadowNode:
 
     # ---- snapshots ----------------------------------------------------------------------
     def _maybe_snapshot(self, epoch: _Epoch, iteration: int) -> None:
-        if self.snapshotter is None or self._job is None:
+        if self.snapshotter is None or self._job is None or self._diverged is not None:
             return
         policy = self.snapshotter.policy
         by_count = policy.every_iterations > 0 and (iteration + 1) % policy.every_iterations == 0
@@ -943,7 +1014,7 @@ class ShadowNode:
             num_shards=job.num_shards,
             states=states,
             parameters=parameters,
-            optimizer={"kind": job.optimizer["kind"], "param_groups": groups},
+            optimizer={**OptimizerSpec.from_json(job.optimizer).class_fields(), "param_groups": groups},
             extra={
                 "job_id": job.job_id,
                 "iteration": iteration,
@@ -1111,7 +1182,10 @@ class ShadowNode:
             world_size=job.world_size,
             workers=list(job.workers),
             parameters=list(job.parameters),
-            optimizer={"kind": job.optimizer["kind"], "param_groups": self._groups_now(job, epoch)},
+            optimizer={
+                **OptimizerSpec.from_json(job.optimizer).class_fields(),
+                "param_groups": self._groups_now(job, epoch),
+            },
             start_iteration=self._applied + 1,
             tensors=tensors,
             optimizer_scalars=scalars,
@@ -1136,9 +1210,7 @@ class ShadowNode:
                 resync = self._plan_repairs(now, sends)
             for addr, header, payload in sends:
                 try:
-                    datagram = header.pack() + payload
-                    tag = self._datagram_keys.for_job(header.job_id).tag((datagram,))
-                    self._udp.sendto(datagram + tag, addr)
+                    self._udp.sendto(header.pack() + payload, addr)
                 except OSError as exc:
                     logger.debug("repair request to %s failed: %s", addr, exc)
             if resync is not None and self.config.resync_on_unrepairable:

@@ -43,7 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
@@ -52,6 +52,7 @@ from typing import Any
 from checkmate.control import DEFAULT_CONTROL_PORT
 from checkmate.network import Network
 from checkmate.wire import CHECKMATE_UDP_PORT
+from controller.job_secrets import JobSecrets
 from topologies.cleanup import cleanup
 from topologies.launcher import KillPlan, LaunchConfig, Launcher, LaunchError, LaunchResult, tail
 from topologies.runstate import RunState, RunStateError
@@ -359,6 +360,14 @@ def _run(argv: Sequence[str], timeout: float, what: str) -> subprocess.Completed
     return result
 
 
+def _secret_env(job_file: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (None: this environment) with the job secret coming from ``job_file`` alone: another
+    secret inherited from here (CHECKMATE_JOB_SECRET, ..._FILE) would be refused as a mismatch."""
+    env = dict(os.environ if base is None else base)
+    env.update({"CHECKMATE_JOB_FILE": str(job_file), "CHECKMATE_JOB_SECRET": "", "CHECKMATE_JOB_SECRET_FILE": ""})
+    return env
+
+
 class DemoRun:
     """Runs the demo once; :meth:`run` always tears down what it started."""
 
@@ -380,6 +389,8 @@ class DemoRun:
         self._workers_ran = False
         self._last_status_read = 0.0
         self.shadow_live: dict[str, dict[str, Any]] = {}
+        self.secret = ""
+        """The job's secret (hex), from the registry once the job is added."""
 
     # ---- the whole thing ------------------------------------------------------------------
     def run(self) -> DemoResult:
@@ -476,8 +487,11 @@ class DemoRun:
         )  # fmt: skip
         shown = json.loads(self._ctl("job", "show", str(config.job_id), "--json").stdout)
         self.job = shown["job"]
+        # The job's secret, from the registry, goes to workers and shadows in the job files (0600).
+        self.secret = JobSecrets(self.state_dir).read(config.job_id).hex()
         self._write_job_file(self.work / "job-file.json", with_shadows=True)
         self._write_job_file(self.work / "job-file-no-shadows.json", with_shadows=False)
+        self._ctl("job", "secret", str(config.job_id), "--check", str(self.work / "job-file.json"))
         groups = len(shown.get("groups", []))
         self.observer.phase_done("job", f"job {config.job_id}: {groups} multicast groups installed")
 
@@ -497,8 +511,11 @@ class DemoRun:
             "job": self.job if job is None else job,
             "worker_addresses": [f"{self._address(w)}:{CHECKMATE_UDP_PORT}" for w in ring],
             "shadow_control": self._shadow_control() if with_shadows else {},
+            "secret": self.secret,
         }
-        path.write_text(json.dumps(document, indent=1))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(document, indent=1))
 
     def _shadow_control(self) -> dict[str, str]:
         return {s: f"{self._address(s)}:{DEFAULT_CONTROL_PORT}" for s in self.config.shadows}
@@ -516,6 +533,7 @@ class DemoRun:
             with open(self.log_dir / f"{name}.log", "ab") as out:
                 self._shadows[name] = subprocess.Popen(
                     [*NET, "exec", "--run-dir", str(self.net_dir), name, "--", *argv],
+                    env=_secret_env(self.work / "job-file.json"),
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -568,7 +586,7 @@ class DemoRun:
             command=(config.python, "-m", "topologies.examples.train_lm", *args, *config.model_args),
             log_dir=log_dir,
             env={
-                "CHECKMATE_JOB_FILE": str(job_file),
+                **_secret_env(job_file, {}),
                 "CHECKMATE_TIMEOUT": "30",
                 "CHECKMATE_PEER_TIMEOUT": "10",
             },
@@ -693,6 +711,7 @@ class DemoRun:
         try:
             subprocess.run(
                 [*NET, "exec", "--run-dir", str(self.net_dir), config.workers[0], "--", *argv],
+                env=_secret_env(self.work / "job-file.json"),
                 capture_output=True,
                 timeout=config.verify_timeout,
                 cwd=REPO,

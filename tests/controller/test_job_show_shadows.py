@@ -10,6 +10,7 @@ is pointed at them with ``--shadow-address``. Whatever a shadow does,
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -141,9 +142,10 @@ def job_cli(
     net.write_text(json.dumps(f.network.to_json()))
     base = ["--network", str(net), "--state-dir", str(f.state_dir), "--timeout", "2"]
     assert main([*base, "pipeline", "push"]) == 0
-    assert (
-        main([*base, "job", "add", "--job-id", "7", "--workers", "h1,h2,h3,h4", "--shadows", "sh1,sh2"]) == 0
-    )
+    secret = tmp_path / "job.secret"  # the fake and real shadows here hold the tests' secret
+    secret.write_text(os.environ["CHECKMATE_JOB_SECRET"])
+    job = ["--job-id", "7", "--workers", "h1,h2,h3,h4", "--shadows", "sh1,sh2", "--secret-file", str(secret)]
+    assert main([*base, "job", "add", *job]) == 0
     for _ in range(2):
         f.send("h2", gradient("h2", "h3", f.network, shard_key=1))
     capsys.readouterr()
@@ -209,7 +211,7 @@ def test_json_output_has_each_shadows_status_document(
     [
         ("refused", "connection refused (no shadow listening)"),
         ("silent", "no answer within 0.5 s"),
-        ("garbage", "bad reply: bad frame magic b'HTTP', expected b'CMC1'"),
+        ("garbage", "bad reply: bad frame magic b'HTTP', expected b'CMC2'"),
         ("wrong_type", "bad reply: 'status_request' to a status request"),
     ],
 )
