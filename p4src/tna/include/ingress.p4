@@ -9,10 +9,13 @@
  *     ingress_drops / rejected_replications.
  *   - Conditions compare fields with constants or with each other, never
  *     arithmetic: the payload length and the length element_count implies are
- *     computed into metadata by actions first.
+ *     computed into metadata by a const table's actions first (measure_payload).
  *   - Tofino drops parser verify(), so the two checks the shared parser makes
  *     on v1model (Checkmate version, UDP length >= UDP + Checkmate headers) are
- *     made here, before anything else, and drop the packet the same way.
+ *     made here right after the parser-error check, by a const table
+ *     (verify_checkmate_header), and drop the packet the same way.
+ *   - Those two tables are @hidden: not in the P4Info, never written by the
+ *     controller.
  *   - The incoming IPv4 header checksum is not verified (DROP_BAD_IPV4_CHECKSUM
  *     is never counted on Tofino; docs/protocol.md).
  *
