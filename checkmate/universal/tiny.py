@@ -6,7 +6,7 @@ parallelism (``embed``, ``head``) and replicated norms and biases: every kind
 of reshaping rule in one small model. :func:`build` makes the model of a
 layout: ``tp`` x ``dp`` with torch tensor parallelism (``ColwiseParallel`` /
 ``RowwiseParallel``, vocabulary-parallel embedding) on a ``("dp", "tp")``
-mesh, FSDP2 (``fully_shard``) on a ``("dp",)`` mesh, or one pipeline stage.
+mesh, FSDP2 (``fully_shard``) on the ``dp`` mesh (over TP: 2-D), or one pipeline stage.
 """
 
 from __future__ import annotations
@@ -153,37 +153,38 @@ def build(config: TinyConfig, layout: Layout, rank: int) -> TinyLM:
     padded = -(-config.vocab // layout.tp) * layout.tp
     per_stage = config.layers // layout.pp
     model = TinyLM(config, padded, per_stage, first=pp_index == 0, last=pp_index == layout.pp - 1)
-    if layout.tp > 1 or layout.fsdp:
+    if layout.pp > 1 and (layout.tp > 1 or layout.fsdp):
+        raise ValueError("the tiny model's pipeline runs use plain tensors (tp=1, no fsdp)")
+    if layout.tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        if layout.pp > 1:
-            raise ValueError("the tiny model's pipeline runs use plain tensors (tp=1, no fsdp)")
-        if layout.fsdp:
-            from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+        plan = {
+            "embed": RowwiseParallel(input_layouts=Replicate()),
+            "head": ColwiseParallel(output_layouts=Replicate()),
+        }
+        for i in range(per_stage):
+            plan.update(
+                {
+                    f"layers.{i}.attn.qkv": ColwiseParallel(),
+                    f"layers.{i}.attn.out": RowwiseParallel(),
+                    f"layers.{i}.mlp.gate_up": ColwiseParallel(),
+                    f"layers.{i}.mlp.down": RowwiseParallel(),
+                }
+            )
+        parallelize_module(model, mesh["tp"], plan)
+    if layout.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
 
-            mesh = init_device_mesh("cpu", (layout.dp,), mesh_dim_names=("dp",))
-            for block in model.layers:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        else:
-            from torch.distributed.tensor import Replicate
-            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-            mesh = init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
-            plan = {
-                "embed": RowwiseParallel(input_layouts=Replicate()),
-                "head": ColwiseParallel(output_layouts=Replicate()),
-            }
-            for i in range(per_stage):
-                plan.update(
-                    {
-                        f"layers.{i}.attn.qkv": ColwiseParallel(),
-                        f"layers.{i}.attn.out": RowwiseParallel(),
-                        f"layers.{i}.mlp.gate_up": ColwiseParallel(),
-                        f"layers.{i}.mlp.down": RowwiseParallel(),
-                    }
-                )
-            parallelize_module(model, mesh["tp"], plan)
+        dp_mesh = (
+            mesh["dp"] if layout.tp > 1 else init_device_mesh("cpu", (layout.dp,), mesh_dim_names=("dp",))
+        )
+        for block in model.layers:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
     return model
 
 

@@ -56,7 +56,7 @@ def test_source_run_saves_complete_universal_checkpoints(source_run: tuple[Path,
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
 
 
-@pytest.mark.parametrize("target", ["tp=1,dp=3", "dp=2,fsdp=1", "tp=2,dp=1", "pp=2"])
+@pytest.mark.parametrize("target", ["tp=1,dp=3", "dp=2,fsdp=1", "tp=2,dp=1", "pp=2", "tp=2,dp=2,fsdp=1"])
 def test_resume_in_another_layout(
     source_run: tuple[Path, dict[int, float]], target: str, tmp_path: Path
 ) -> None:
