@@ -5,15 +5,22 @@ Per topology (``single``, ``leafspine``) and target (embedded always; BMv2 when
 and UDP, both ways); a job registered with ``checkmate-ctl job add`` makes a
 tagged Checkmate packet from a worker arrive at its ring neighbour *and*, as
 a rewritten copy, at the enrolled shadow (and nowhere else, copied at exactly
-one switch); ``down`` leaves no interface, namespace or process behind.
+one switch); a switch killed under a running job is restarted by the
+supervisor, every switch gets the pipeline again, and the packet is still
+copied exactly once (BMv2 kept old groups' replicas across a push until the
+controller deleted groups first); ``down`` leaves no interface, namespace or
+process behind.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +33,7 @@ from checkmate.network import Network
 from checkmate.scapy_layer import Checkmate
 from checkmate.wire import CHECKMATE_UDP_PORT, MessageType
 from tests.topologies.harness import REPO, Capture, RunningNetwork, root_interfaces, send_frame, topology_copy
+from topologies.runstate import RunState
 
 pytestmark = pytest.mark.root
 
@@ -38,6 +46,11 @@ SCENARIOS = {
     # h2 (leaf s1) -> h3 (leaf s2) crosses the spine; shadows sit on leaf s3: copied at s1 only.
     "leafspine": ("h2", "h3", 1, "sh2", "sh1"),
 }
+
+
+# The switch killed in the restart test: the spine, so the copying leaf (alive, holding the job's
+# groups) gets the pipeline pushed again too; the only switch of ``single``.
+KILLED = {"single": "s1", "leafspine": "s4"}
 
 
 def _bmv2_ready() -> bool:
@@ -132,26 +145,9 @@ def test_tagged_packet_reaches_ring_neighbour_and_rewritten_copy_reaches_shadow(
     network.ctl(
         "job", "add", "--job-id", str(JOB_ID), "--workers", ",".join(workers), "--shadows", ",".join(shadows)
     )
-    payload = bytes(range(256)) * 4  # 1024 bytes = 256 fp32 elements
+    frame = _tagged_frame(network)
+    payload = bytes(frame[Checkmate].payload)
     src, dst = net.host(sender), net.host(neighbour)
-    switch, port = net.attachment(sender)
-    frame = (
-        Ether(src=src.mac, dst=net.port_mac(switch, port))
-        / IP(src=str(src.address), dst=str(dst.address), flags="DF", ttl=64)
-        / UDP(sport=CHECKMATE_UDP_PORT, dport=CHECKMATE_UDP_PORT)
-        / Checkmate(
-            msg_type=int(MessageType.DATA),
-            flags="REPLICATE",
-            job_id=JOB_ID,
-            iteration=3,
-            bucket_id=shard,
-            sender_rank=workers.index(sender),
-            shard_key=shard,
-            element_count=len(payload) // 4,
-            sequence=1,
-        )
-        / Raw(payload)
-    )
     bpf = f"udp port {CHECKMATE_UDP_PORT}"
     at_neighbour = Capture(network, neighbour, bpf, count=1)
     at_shadow = Capture(network, shadow, bpf, count=1)
@@ -204,6 +200,62 @@ def test_tagged_packet_reaches_ring_neighbour_and_rewritten_copy_reaches_shadow(
     )
     shown = json.loads(network.ctl("job", "show", str(JOB_ID), "--json").stdout)
     assert sum(c["shadow_copies"]["packets"] for c in shown["counters"].values()) == 6
+
+
+def _tagged_frame(network: RunningNetwork) -> Ether:
+    sender, neighbour, shard, _, _ = SCENARIOS[network.name]
+    net = network.network
+    workers = net.hosts_with_role("worker")
+    payload = bytes(range(256)) * 4  # 1024 bytes = 256 fp32 elements
+    src, dst = net.host(sender), net.host(neighbour)
+    switch, port = net.attachment(sender)
+    return (
+        Ether(src=src.mac, dst=net.port_mac(switch, port))
+        / IP(src=str(src.address), dst=str(dst.address), flags="DF", ttl=64)
+        / UDP(sport=CHECKMATE_UDP_PORT, dport=CHECKMATE_UDP_PORT)
+        / Checkmate(
+            msg_type=int(MessageType.DATA),
+            flags="REPLICATE",
+            job_id=JOB_ID,
+            iteration=3,
+            bucket_id=shard,
+            sender_rank=workers.index(sender),
+            shard_key=shard,
+            element_count=len(payload) // 4,
+            sequence=1,
+        )
+        / Raw(payload)
+    )
+
+
+def test_a_killed_switch_is_restarted_and_copies_stay_single(network: RunningNetwork) -> None:
+    """The supervisor's restart path: new process, pipeline pushed to every switch, job reinstalled."""
+    sender, neighbour, _, shadow, other_shadow = SCENARIOS[network.name]
+    net = network.network
+    if str(JOB_ID) not in network.ctl("job", "list").stdout:
+        workers, shadows = net.hosts_with_role("worker"), net.hosts_with_role("shadow")
+        network.ctl("job", "add", "--job-id", str(JOB_ID), "--workers", ",".join(workers),
+                    "--shadows", ",".join(shadows))  # fmt: skip
+    name = KILLED[network.name]
+    log = network.run_dir / "supervisor.log"
+    programmed = f"switch {name} restarted and programmed"
+    before = log.read_text(errors="replace").count(programmed)
+    old = RunState.load(network.run_dir).switches[name].pid
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while log.read_text(errors="replace").count(programmed) == before:
+        assert time.monotonic() < deadline, f"{name} was not restarted and programmed within 60 s"
+        time.sleep(0.2)
+    assert RunState.load(network.run_dir).switches[name].pid != old
+
+    bpf = f"udp port {CHECKMATE_UDP_PORT}"
+    captures = {h: Capture(network, h, bpf) for h in (neighbour, shadow, other_shadow)}
+    for capture in captures.values():
+        capture.wait_listening()
+    send_frame(network, sender, bytes(_tagged_frame(network)))
+    time.sleep(1.0)
+    got = {h: len(c.packets(stop=True)) for h, c in captures.items()}
+    assert got == {neighbour: 1, shadow: 1, other_shadow: 0}
 
 
 def test_down_leaves_the_machine_clean(network: RunningNetwork) -> None:
