@@ -8,6 +8,7 @@ import pytest
 from p4.v1 import p4runtime_pb2
 
 from checkmate.job import JobSpec
+from controller.controller import Controller
 from controller.entities import MulticastGroup
 from controller.errors import ControllerError, UpdateError
 from controller.pipeline import PipelineConfig, delete_multicast_groups
@@ -18,13 +19,19 @@ from tests.controller.conftest import TIMEOUT_S, Fabric, gradient
 JOB = JobSpec(7, ("h1", "h2", "h3", "h4"), ("sh1", "sh2"))
 
 
-def test_push_deletes_every_group_before_the_pipeline_and_reconcile_puts_them_back(
-    fabric: Callable[..., Fabric], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    f = fabric("leafspine")
+def with_a_job(fabric: Callable[..., Fabric], topology: str) -> tuple[Fabric, Controller]:
+    """Forwarding and JOB installed by a fresh controller."""
+    f = fabric(topology)
     ctl = f.controller()
     ctl.install_forwarding()
     ctl.add_job(JOB)
+    return f, ctl
+
+
+def test_push_deletes_every_group_before_the_pipeline_and_reconcile_puts_them_back(
+    fabric: Callable[..., Fabric], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f, ctl = with_a_job(fabric, "leafspine")
     installed = f.snapshot()
     groups_before = {
         s: sorted(k for k, e in ctl.read_installed(s).items() if isinstance(e, MulticastGroup))
@@ -66,10 +73,7 @@ def test_a_switch_without_a_pipeline_has_no_groups_to_delete() -> None:
 def test_a_refused_group_delete_stops_the_push_with_a_clear_error(
     fabric: Callable[..., Fabric], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    f = fabric("single")
-    ctl = f.controller()
-    ctl.install_forwarding()
-    ctl.add_job(JOB)
+    _, ctl = with_a_job(fabric, "single")
     pushed: list[str] = []
     monkeypatch.setattr(SwitchConnection, "set_pipeline", lambda self, *a, **k: pushed.append(self.name))
     real_write = SwitchConnection.write
