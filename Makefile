@@ -121,13 +121,17 @@ RELIABILITY_ROWS := results/reliability-rows.jsonl
 
 reliability: setup
 	@mkdir -p results && rm -f $(RELIABILITY_ROWS)
-	CHECKMATE_RELIABILITY_OUT=$(RELIABILITY_ROWS) $(PY) -m pytest tests/reliability $(PYTEST_ARGS)
-	$(PY) -m tests.reliability.report $(RELIABILITY_ROWS) --out docs/reliability.md --command "make reliability"
+	@# The table is written even when a test fails (its row says so); then exit non-zero.
+	@status=0; CHECKMATE_RELIABILITY_OUT=$(RELIABILITY_ROWS) $(PY) -m pytest tests/reliability $(PYTEST_ARGS) || status=$$?; \
+	$(PY) -m tests.reliability.report $(RELIABILITY_ROWS) --out docs/reliability.md --command "make reliability" \
+	  || status=$$(( status ? status : 1 )); exit $$status
 
 soak: setup
 	@mkdir -p results && rm -f $(RELIABILITY_ROWS)
-	CHECKMATE_RELIABILITY_OUT=$(RELIABILITY_ROWS) $(PY) -m pytest tests/reliability -m 'not slow' $(PYTEST_ARGS)
-	$(PY) -m tests.reliability.report $(RELIABILITY_ROWS) --out docs/reliability.md --command "make soak"
+	@# The table is written even when a test fails (its row says so); then exit non-zero.
+	@status=0; CHECKMATE_RELIABILITY_OUT=$(RELIABILITY_ROWS) $(PY) -m pytest tests/reliability -m 'not slow' $(PYTEST_ARGS) || status=$$?; \
+	$(PY) -m tests.reliability.report $(RELIABILITY_ROWS) --out docs/reliability.md --command "make soak" \
+	  || status=$$(( status ? status : 1 )); exit $$status
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -90,7 +90,7 @@ def secret_from_job_file(path: str | Path) -> bytes:
         raise AuthConfigError(f"cannot read the job file {path}: {exc}") from None
     if not isinstance(document, dict) or "secret" not in document:
         raise AuthConfigError(
-            f"job file {path} has no \"secret\": write it with the job's secret from the registry "
+            f'job file {path} has no "secret": write it with the job\'s secret from the registry '
             "(checkmate-ctl job secret N) or set CHECKMATE_JOB_SECRET"
         )
     return parse_secret(document["secret"], f"job file {path}")
@@ -116,7 +116,7 @@ def secret_from_env(environ: Mapping[str, str] | None = None) -> bytes:
             found.append((f"job file {job_file}", in_file))
     if not found:
         raise AuthConfigError(
-            f"no job secret: set {JOB_FILE_ENV} to a job file with a \"secret\" (checkmate-ctl job add "
+            f'no job secret: set {JOB_FILE_ENV} to a job file with a "secret" (checkmate-ctl job add '
             f"keeps one per job), or {SECRET_ENV} / {SECRET_FILE_ENV}; Checkmate does not run "
             "unauthenticated"
         )
@@ -191,7 +191,7 @@ class DatagramKeys:
         return auth
 
     def open(self, datagram: memoryview) -> memoryview | None:
-        """``datagram`` unchanged if its type carries no tag; without its tag if the tag is right; else None."""
+        """``datagram`` as is if its type carries no tag; without its tag if the tag is right; else None."""
         if not needs_tag(datagram):
             return datagram
         return self.for_job(datagram_job(datagram)).open(datagram)

@@ -495,7 +495,7 @@ def decode_message(
 
 # ---- sockets ----------------------------------------------------------------------------
 def send_message(sock: socket.socket, message: Message, timeout: float) -> None:
-    """Write one authenticated frame; raises OSError (TimeoutError included) if it cannot within ``timeout``."""
+    """Write one authenticated frame; OSError (TimeoutError included) if it cannot within ``timeout``."""
     parts = encode_message(message)
     send_frame(sock, parts[1:], int(getattr(message, "job_id", 0)), timeout)
 

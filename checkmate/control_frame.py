@@ -10,7 +10,8 @@ frame is authenticated with the job's control key (:mod:`checkmate.auth`)::
     tag: 32 bytes        HMAC-SHA256(key, head | head_tag | JSON | blob)
 
 The key depends on the direction (client -> server, server -> client: a frame
-reflected back to its sender does not verify). ``run`` is chosen by the sender per connection (8 bytes of wall-clock
+reflected back to its sender does not verify). ``run`` is chosen by the sender per
+connection (8 bytes of wall-clock
 milliseconds, 8 random); ``seq`` counts the sender's frames on it from 0. A
 receiver checks the head tag before it allocates anything (an oversized or
 garbage frame from someone without the key costs it 60 bytes), then that

@@ -16,7 +16,13 @@ import os
 import stat
 from pathlib import Path
 
-from checkmate.auth import AuthConfigError, generate_secret, parse_secret, read_secret_file, secret_from_job_file
+from checkmate.auth import (
+    AuthConfigError,
+    generate_secret,
+    parse_secret,
+    read_secret_file,
+    secret_from_job_file,
+)
 from controller.errors import ControllerError
 
 logger = logging.getLogger(__name__)
@@ -64,10 +70,13 @@ class JobSecrets:
             mode = path.stat().st_mode
         except FileNotFoundError:
             raise JobSecretError(
-                f"job {job_id} has no secret in the registry ({path} is missing): remove and add the job again"
+                f"job {job_id} has no secret in the registry ({path} is missing): "
+                "remove and add the job again"
             ) from None
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise JobSecretError(f"{path} is readable by others (mode {stat.S_IMODE(mode):04o}); chmod 600 it")
+            raise JobSecretError(
+                f"{path} is readable by others (mode {stat.S_IMODE(mode):04o}); chmod 600 it"
+            )
         try:
             return parse_secret(path.read_text(encoding="utf-8"), f"registry secret {path}")
         except (OSError, AuthConfigError) as exc:
@@ -84,5 +93,6 @@ class JobSecrets:
             raise JobSecretError(str(exc)) from None
         if not hmac.compare_digest(in_file, self.read(job_id)):
             raise JobSecretError(
-                f"job file {job_file}: its secret differs from job {job_id}'s in the registry ({self.path(job_id)})"
+                f"job file {job_file}: its secret differs from job {job_id}'s in the registry "
+                f"({self.path(job_id)})"
             )

@@ -120,7 +120,9 @@ def query_status(
             try:
                 text, _ = session.recv(conn, _left(deadline, timeout), MAX_STATUS_BYTES)
             except FrameAuthError as exc:
-                raise ShadowStatusError(f"bad reply: {exc} (does the shadow have this job's secret?)") from None
+                raise ShadowStatusError(
+                    f"bad reply: {exc} (does the shadow have this job's secret?)"
+                ) from None
             except ControlProtocolError as exc:
                 raise ShadowStatusError(f"bad reply: {exc}") from None
     except ShadowStatusError:

@@ -32,6 +32,7 @@ from checkmate.control import (
     recv_message,
     send_message,
 )
+from checkmate.control_frame import ControlAuth, bind, process_auth
 from hosts.transport import Addr
 
 logger = logging.getLogger(__name__)
@@ -57,8 +58,10 @@ class ShadowLink:
         config: ControlConfig,
         job_id: int,
         on_certified: Callable[[str, Certified], None] | None = None,
+        auth: ControlAuth | None = None,
     ) -> None:
         self.name = name
+        self._auth = auth if auth is not None else process_auth()
         self.job_id = job_id
         self._busy = False
         self.address = address
@@ -169,6 +172,7 @@ class ShadowLink:
             self._stop.wait(self.config.reconnect_interval)
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        bind(sock, self._auth, self.job_id)
         with self._cond:
             self._sock = sock
             self._needs_state = True
@@ -225,14 +229,24 @@ class ShadowLink:
 class ControlChannel:
     """Links from rank 0 to every shadow of a job."""
 
-    def __init__(self, job_id: int, shadows: Mapping[str, Addr], config: ControlConfig | None = None) -> None:
+    def __init__(
+        self,
+        job_id: int,
+        shadows: Mapping[str, Addr],
+        config: ControlConfig | None = None,
+        secret: bytes | None = None,
+    ) -> None:
+        """``secret``: the job's (None: this process's, :func:`checkmate.auth.secret_from_env`)."""
         self.config = config or ControlConfig()
+        self._auth = ControlAuth(secret) if secret is not None else process_auth()
         self.job_id = job_id
         self.certified: dict[str, int] = {}
         self.divergences: list[dict[str, object]] = []
         """Every divergence a shadow reported, oldest first (see :class:`~checkmate.control.Diverged`)."""
         self._lock = threading.Condition()
-        self.links = [ShadowLink(n, a, self.config, job_id, self._on_certified) for n, a in shadows.items()]
+        self.links = [
+            ShadowLink(n, a, self.config, job_id, self._on_certified, self._auth) for n, a in shadows.items()
+        ]
 
         for link in self.links:
             link.on_diverged = self._on_diverged
@@ -326,7 +340,7 @@ class ControlChannel:
         leaving = [link for link in self.links if link not in keep]
         kept = {link.name for link in keep}
         new = [
-            ShadowLink(name, address, self.config, self.job_id, self._on_certified)
+            ShadowLink(name, address, self.config, self.job_id, self._on_certified, self._auth)
             for name, address in shadows.items()
             if name not in kept
         ]

@@ -55,6 +55,7 @@ import torch
 from safetensors.torch import load_file
 
 from checkmate import checkpoint_format as fmt
+from checkmate.auth import DatagramKeys, secret_from_env
 from checkmate.control import (
     BucketLayout as LayoutMessage,
 )
@@ -77,6 +78,7 @@ from checkmate.control import (
     torch_dtype,
     validate_data_position,
 )
+from checkmate.control_frame import ControlAuth, bind
 from checkmate.fingerprint import fingerprint as state_fingerprint
 from checkmate.fingerprint import mismatches as fingerprint_mismatches
 from checkmate.job import JobSpec, JobSpecError
@@ -132,6 +134,8 @@ class ShadowConfig:
     io_timeout: float = 10.0
     """Timeout of each control-channel read and write."""
     recv_buffer_bytes: int = 16 << 20
+    secret: bytes | None = None
+    """The job secret (None: this process's, :func:`checkmate.auth.secret_from_env`; none -> error)."""
 
 
 @dataclass
@@ -204,6 +208,11 @@ class NodeStats:
     fingerprints_checked: int = 0
 
 
+def _from_worker(job: _Job, addr: Addr) -> bool:
+    """A copy or repair answer may only come from one of the job's worker hosts (docs/security.md)."""
+    return not job.workers or any(addr[0] == host for host, _ in job.workers)
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.write_text(text)
@@ -217,6 +226,9 @@ class ShadowNode:
         self.config = config
         self.name = config.name
         self.stats = NodeStats()
+        secret = config.secret if config.secret is not None else secret_from_env()
+        self._control_auth = ControlAuth(secret)
+        self._datagram_keys = DatagramKeys(secret)
         self._lock = threading.Condition(threading.RLock())
         """Guards job, epoch, stash, commits, repairs; notified on any progress."""
         self._state_lock = threading.Lock()
@@ -226,7 +238,7 @@ class ShadowNode:
         self._epoch: _Epoch | None = None
         self._generation = 0
         self._pending_start: JobStart | None = None
-        self._stash: dict[int, list[tuple[bytearray, float]]] = {}
+        self._stash: dict[int, list[tuple[bytearray, float, Addr]]] = {}
         self._stash_bytes = 0
         self._commits: dict[int, _CommitEntry] = {}
         self._latest_commit = -1
@@ -441,6 +453,10 @@ class ShadowNode:
         with self._lock:
             self.stats.packets_received += 1
             self.stats.bytes_received += len(data)
+            opened = self._datagram_keys.open(data)  # NACK, REPAIR_DATA: MAC checked (checkmate.auth)
+            if opened is None:
+                return self._drop("unauthenticated")
+            data = opened
             try:
                 header, payload = decode(data)
             except WireFormatError:
@@ -457,9 +473,11 @@ class ShadowNode:
             if job is None:
                 if self.config.job_id is not None and header.job_id != self.config.job_id:
                     return self._drop(DropReason.OTHER_JOB.value)
-                return self._stash_datagram(header, data, now)
+                return self._stash_datagram(header, data, now, addr)
             if header.job_id != job.job_id:
                 return self._drop(DropReason.OTHER_JOB.value)
+            if not _from_worker(job, addr):
+                return self._drop("not_from_a_worker")
             if header.msg_type is MessageType.REPAIR_DATA and self._repairs is not None:
                 self._repairs.on_answer(header)
             self._latest_seen = max(self._latest_seen, header.iteration)
@@ -475,17 +493,19 @@ class ShadowNode:
                         return self._drop(refused.value)
                     if header.iteration >= epoch.window.next_iteration + 2 * self.config.horizon:
                         return self._drop(DropReason.TOO_FAR_AHEAD.value)
-                return self._stash_datagram(header, data, now)
+                return self._stash_datagram(header, data, now, addr)
             return self._place(epoch, header, payload)
 
     def _drop(self, reason: str) -> str:
         self.stats.drops[reason] += 1
         return reason
 
-    def _stash_datagram(self, header: CheckmateHeader, data: memoryview, now: float) -> str | None:
+    def _stash_datagram(
+        self, header: CheckmateHeader, data: memoryview, now: float, addr: Addr
+    ) -> str | None:
         if self._stash_bytes + len(data) > self.config.stash_bytes:
             return self._drop("stash_full")
-        self._stash.setdefault(header.iteration, []).append((bytearray(data), now))
+        self._stash.setdefault(header.iteration, []).append((bytearray(data), now, addr))
         self._stash_bytes += len(data)
         return None
 
@@ -514,9 +534,12 @@ class ShadowNode:
         for iteration in sorted(self._stash):
             if iteration > limit:
                 break
-            for data, _ in self._stash.pop(iteration):
+            for data, _, source in self._stash.pop(iteration):
                 self._stash_bytes -= len(data)
                 header, payload = decode(data)
+                if self._job is not None and not _from_worker(self._job, source):
+                    self._drop("not_from_a_worker")
+                    continue
                 if header.job_id != epoch.window.job_id:
                     self._drop(DropReason.OTHER_JOB.value)
                     continue
@@ -538,6 +561,7 @@ class ShadowNode:
                 logger.warning("shadow %s: accept failed: %s", self.name, exc)
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            bind(conn, self._control_auth, self.config.job_id, server=True)
             threading.Thread(
                 target=self._serve, args=(conn, peer), name=f"shadow-{self.name}-conn", daemon=True
             ).start()
@@ -643,7 +667,7 @@ class ShadowNode:
             # the failed run's iterations >= start are redone, possibly with other chunks and
             # sums. A layout change within a run keeps copies of later iterations (same run).
             for iteration in [i for i in self._stash if new_run or i < message.start_iteration]:
-                for data, _ in self._stash.pop(iteration):
+                for data, *_ in self._stash.pop(iteration):
                     self._stash_bytes -= len(data)
                     self._drop(DropReason.STALE.value)
             # Commit records arrive on the control connection after their job_start, so any
@@ -1210,7 +1234,9 @@ class ShadowNode:
                 resync = self._plan_repairs(now, sends)
             for addr, header, payload in sends:
                 try:
-                    self._udp.sendto(header.pack() + payload, addr)
+                    datagram = header.pack() + payload
+                    tag = self._datagram_keys.for_job(header.job_id).tag((datagram,))
+                    self._udp.sendto(datagram + tag, addr)
                 except OSError as exc:
                     logger.debug("repair request to %s failed: %s", addr, exc)
             if resync is not None and self.config.resync_on_unrepairable:

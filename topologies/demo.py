@@ -364,7 +364,7 @@ def _secret_env(job_file: Path, base: Mapping[str, str] | None = None) -> dict[s
     """``base`` (None: this environment) with the job secret coming from ``job_file`` alone: another
     secret inherited from here (CHECKMATE_JOB_SECRET, ..._FILE) would be refused as a mismatch."""
     env = dict(os.environ if base is None else base)
-    env.update({"CHECKMATE_JOB_FILE": str(job_file), "CHECKMATE_JOB_SECRET": "", "CHECKMATE_JOB_SECRET_FILE": ""})
+    env.update(CHECKMATE_JOB_FILE=str(job_file), CHECKMATE_JOB_SECRET="", CHECKMATE_JOB_SECRET_FILE="")
     return env
 
 

@@ -132,6 +132,18 @@ class Verdict:
     actions: list[dict[str, Any]] = field(default_factory=list)
     final_refused: bool = False
     """The shadows refused the final iteration (not re-seeded before the workers closed)."""
+    comparisons: int = 0
+    """State comparisons made: ranks' digests per iteration, restored states, snapshot steps and the
+    final shadow memory, each against the workers' digest of the same iteration."""
+    differed: int = 0
+    """How many of them differed (or had nothing to compare with: a missing iteration)."""
+    differences: list[str] = field(default_factory=list)
+
+    def count(self, differed: bool, what: str) -> None:
+        self.comparisons += 1
+        if differed:
+            self.differed += 1
+            self.differences.append(what)
 
     def figures(self) -> str:
         parts = [
@@ -477,7 +489,9 @@ class FaultJob(DemoRun):
         return [str(v) for v in self.job["shard_to_shadow"].values()]
 
     # ---- the check ---------------------------------------------------------------------------
-    def run_and_verify(self) -> tuple[DemoResult, Verdict]:
+    def run_and_verify(self, recorder: Any = None) -> tuple[DemoResult, Verdict]:
+        """Run the job and compare every state (:meth:`verify`); ``recorder`` (the ``reliability``
+        fixture) is told the comparisons, so a failing trial's row has them too."""
         before = root_interfaces()
         try:
             result = self.run()
@@ -488,7 +502,15 @@ class FaultJob(DemoRun):
             raise FaultJobError(f"interfaces left behind: {sorted(left)}")
         if self._errors:
             raise FaultJobError("; ".join(self._errors))
-        return result, self.verify(result)
+        verdict = self.verify(result)
+        if recorder is not None:
+            recorder.compare(verdict.comparisons, verdict.differed)
+        if verdict.differed:
+            raise FaultJobError(
+                f"{verdict.differed} of {verdict.comparisons} state comparisons differed: "
+                + "; ".join(verdict.differences[:5])
+            )
+        return result, verdict
 
     def worker_digests(self) -> tuple[dict[int, set[tuple[str, str]]], list[dict[str, Any]], dict[str, int]]:
         per_iteration: dict[int, set[tuple[str, str]]] = {}
@@ -573,33 +595,29 @@ class FaultJob(DemoRun):
         verdict = Verdict(events=list(self.events))
         workers, restored, transport = self.worker_digests()
         verdict.transport = transport
-        missing = [i for i in range(config.iterations) if i not in workers]
-        if missing:
-            raise FaultJobError(f"no worker digests for iterations {missing}")
-        disagree = {i: d for i, d in workers.items() if len(d) != 1}
-        if disagree:
-            raise FaultJobError(
-                f"workers disagree (or a redone iteration differs) at iterations {sorted(disagree)}"
-            )
-        truth = {i: next(iter(d)) for i, d in workers.items()}
+        for i in range(config.iterations):
+            if i not in workers:
+                verdict.count(True, f"no worker digests for iteration {i}")
+            else:
+                verdict.count(len(workers[i]) != 1, f"workers disagree (or a redone one differs) at {i}")
+        truth = {i: next(iter(d)) for i, d in workers.items() if len(d) == 1}
         verdict.iterations = len(truth)
         world = len(config.workers)
         verdict.redone = sum(1 for i, n in self._counts.items() if n > world)
 
         for record in restored:
             iteration = int(record["iteration"])
-            if (record["params"], record["optimizer"]) != truth.get(iteration):
-                raise FaultJobError(
-                    f"the workers restored a state of iteration {iteration} (from {record['source']}) "
-                    "that is not the workers' state at that iteration"
-                )
+            verdict.count(
+                (record["params"], record["optimizer"]) != truth.get(iteration),
+                f"the workers restored a state of iteration {iteration} (from {record['source']}) "
+                "that is not the workers' state at that iteration",
+            )
             verdict.restores_compared += 1
             verdict.restore_sources.append(str(record["source"]))
 
         snapshots, partial = self.snapshot_digests()
-        wrong = [s for s, d in snapshots.items() if truth.get(s) != d]
-        if wrong:
-            raise FaultJobError(f"snapshot steps {wrong} differ from the workers' state at those iterations")
+        for step, digest in sorted(snapshots.items()):
+            verdict.count(truth.get(step) != digest, f"snapshot step {step} differs from the workers' state")
         verdict.snapshots_compared = len(snapshots)
         verdict.snapshots_partial = partial
 
@@ -614,12 +632,13 @@ class FaultJob(DemoRun):
                 verdict.final_refused = True
                 return self._finish(verdict, result, restored, snapshots)
             if not result.shadow_digest.get("ok"):
-                raise FaultJobError(f"the shadows did not serve the final state: {result.shadow_digest}")
-            if summary["shadow_equals_workers"] is not True:
-                raise FaultJobError(
-                    f"the shadows' final state differs from the workers': {result.shadow_digest}"
+                verdict.count(True, f"the shadows did not serve the final state: {result.shadow_digest}")
+            else:
+                verdict.count(
+                    summary["shadow_equals_workers"] is not True,
+                    f"the shadows' final state differs from the workers': {result.shadow_digest}",
                 )
-            verdict.final_compared = True
+                verdict.final_compared = summary["shadow_equals_workers"] is True
         return self._finish(verdict, result, restored, snapshots)
 
     def _finish(
@@ -735,6 +754,22 @@ def summarize(verdicts: list[Verdict], shadow_ports: tuple[int, ...] = ()) -> st
     if restarts:
         parts.append(f"{restarts} job restarts")
     return "; ".join(parts)
+
+
+COMPARED = (
+    "SHA-256 of params and optimizer state: every rank's per iteration, every restored state, every "
+    "certified snapshot step and the shadows' final memory, each against the workers' at that iteration"
+)
+"""What a fault row's comparisons are (docs/reliability.md)."""
+
+
+def counted(verdicts: list[Verdict]) -> dict[str, Any]:
+    """The measured part of a fault row: ``record(..., **counted(verdicts))``."""
+    return {
+        "compared": COMPARED,
+        "comparisons": sum(v.comparisons for v in verdicts),
+        "differed": sum(v.differed for v in verdicts),
+    }
 
 
 def worst_recovery(verdicts: list[Verdict]) -> float | None:

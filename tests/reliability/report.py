@@ -21,11 +21,26 @@ from tests.reliability.record import Row, load_rows
 HEADER = """# Reliability
 
 What Checkmate survives, as measured by the reliability suite (`tests/reliability/`).
-Every row is written by the test that establishes it, after its assertions held:
-a row exists only if the fault or bad input was injected and nothing was lost.
+Every row is written by the test that establishes it, whether it passed or failed.
+
+How the numbers are obtained:
+
+* **Compared** says what the row's test compared with what (e.g. each certified
+  snapshot step's SHA-256 with the workers' digest of the same iteration), and
+  **Comparisons / differed** how many such comparisons it made and how many came out
+  different. For these rows **Lost** *is* the number that differed: it is counted,
+  not written down.
+* A row whose Compared cell is "—" comes from a test that asserts its checks and
+  records `lost` 0 only when they all held (the older form; its What-held cell says
+  what was checked). Such a test that fails is still recorded (below).
+* A trial whose test fails for any reason is recorded as **failed**, with the
+  differences it had counted (at least 1) and the failure in What held.
+* `make reliability` and `make soak` exit non-zero when any row lost anything.
+
 "Lost" counts wrong or missing results: a certified iteration whose state differs
 from the workers', a copy that reached a shadow it should not have, a table
-entry or checkpoint that went missing, a process that stopped answering.
+entry or checkpoint that went missing, a forged message that was let in, a process
+that stopped answering.
 
 Regenerate with `make reliability` (quick cases, also run by `make test`) or
 `make soak` (quick and soak cases). Each row's command reruns just that case.
@@ -44,18 +59,26 @@ def render(rows: Sequence[Row], command: str) -> str:
     lines.append(f"Produced {when} ({machine}, Python {platform.python_version()}) by `{command}`.\n")
     total = sum(r.trials for r in ordered)
     bad = [r for r in ordered if r.lost]
+    measured = [r for r in ordered if r.comparisons is not None]
+    failed = [r for r in ordered if r.outcome != "passed"]
     lines.append(
-        f"{len(ordered)} fault and input classes, {total} trials; "
+        f"{len(ordered)} fault and input classes, {total} trials; {len(measured)} rows count their "
+        f"comparisons ({sum(r.comparisons or 0 for r in measured)} comparisons, "
+        f"{sum(r.differed or 0 for r in measured)} differed); {len(failed)} failed trials; "
         + ("**nothing was lost in any of them.**\n" if not bad else f"**{len(bad)} rows lost something.**\n")
     )
-    lines.append("| Area | Target | Fault or input | Trials | Lost | Recovery | What held | Command |")
-    lines.append("|---|---|---|---:|---:|---:|---|---|")
+    lines.append(
+        "| Area | Target | Fault or input | Trials | Compared | Comparisons / differed | Lost | Outcome "
+        "| Recovery | What held | Command |"
+    )
+    lines.append("|---|---|---|---:|---|---:|---:|---|---:|---|---|")
     for r in ordered:
         recovery = "—" if r.recovery_s is None else f"{r.recovery_s:.1f} s"
         kind = r.area + (" (soak)" if r.marker == "soak" else "")
+        counted = "—" if r.comparisons is None else f"{r.comparisons} / {r.differed}"
         lines.append(
-            f"| {kind} | {_cell(r.target)} | {_cell(r.case)} | {r.trials} | {r.lost} | {recovery} "
-            f"| {_cell(r.held)} | `{_cell(r.command)}` |"
+            f"| {kind} | {_cell(r.target)} | {_cell(r.case)} | {r.trials} | {_cell(r.compared) or '—'} "
+            f"| {counted} | {r.lost} | {r.outcome} | {recovery} | {_cell(r.held)} | `{_cell(r.command)}` |"
         )
     return "\n".join(lines) + "\n"
 

@@ -21,6 +21,7 @@ from tests.reliability.faultjob import (
     Action,
     FaultJob,
     FaultJobConfig,
+    counted,
     summarize,
     worst_recovery,
 )
@@ -41,7 +42,7 @@ def test_copy_loss_duplicates_and_reordering(tmp_path: Path, reliability: Record
         switch_args=drops,
         worker_env={"FAULTJOB_DUPLICATE": "0.02", "FAULTJOB_REORDER": "0.02", "CHECKMATE_FAULT_SEED": "3"},
     )
-    _, verdict = FaultJob(config).run_and_verify()
+    _, verdict = FaultJob(config).run_and_verify(reliability)
     assert verdict.final_compared
     assert verdict.snapshots_compared >= 1
     assert sum(verdict.injected_drops.get(p, 0) for p in SHADOW_PORTS) > 0, verdict.injected_drops
@@ -52,7 +53,7 @@ def test_copy_loss_duplicates_and_reordering(tmp_path: Path, reliability: Record
         case="1% of copies dropped on the shadow links, with 2% of datagrams duplicated and 2% reordered",
         target="job (switch, shadows, host agents)",
         trials=1,
-        lost=0,
+        **counted([verdict]),
         held=held,
     )
 
@@ -67,7 +68,7 @@ def test_shadow_killed_and_restarted(tmp_path: Path, reliability: Recorder) -> N
         actions=(Action(iteration, "kill_shadow", shadow, delay=0.3),),
     )
     job = FaultJob(config)
-    _, verdict = job.run_and_verify()
+    _, verdict = job.run_and_verify(reliability)
     (action,) = verdict.actions
     assert action["exit"] == -9, action
     assert verdict.final_compared  # the restarted shadow rejoined and holds the workers' final state
@@ -76,7 +77,7 @@ def test_shadow_killed_and_restarted(tmp_path: Path, reliability: Recorder) -> N
         case=f"kill -9 of a shadow ({shadow}, iteration {iteration}), restarted with --resume",
         target="shadow",
         trials=1,
-        lost=0,
+        **counted([verdict]),
         held=summarize([verdict]),
         recovery_s=worst_recovery([verdict]),
     )
@@ -91,7 +92,7 @@ def test_shadow_moved_to_another_host(tmp_path: Path, reliability: Recorder) -> 
         actions=(Action(4, "move_shadow", "sh3", args=("1",)),),
         kill_worker_at=9,
     )
-    _, verdict = FaultJob(config).run_and_verify()
+    _, verdict = FaultJob(config).run_and_verify(reliability)
     (action,) = verdict.actions
     assert action["from"] == "sh2" and action["shadows_now"] == ["sh1", "sh3"], action
     assert verdict.restarts == 1 and verdict.restores_compared == 3
@@ -101,7 +102,7 @@ def test_shadow_moved_to_another_host(tmp_path: Path, reliability: Recorder) -> 
         case="a shadow moved to another host mid-run (checkmate-ctl shadow move sh2 -> sh3)",
         target="controller, shadows",
         trials=1,
-        lost=0,
+        **counted([verdict]),
         held=summarize([verdict])
         + "; rank 0 followed the rewritten job file: the new shadow re-seeded live, the old one left",
         recovery_s=worst_recovery([verdict]),

@@ -23,6 +23,7 @@ from tests.reliability.faultjob import (
     FaultJob,
     FaultJobConfig,
     Verdict,
+    counted,
     summarize,
     worst_recovery,
 )
@@ -35,8 +36,8 @@ WORKER_PORTS = (1, 2, 3)
 SEED = 1009
 
 
-def _run(config: FaultJobConfig) -> Verdict:
-    _, verdict = FaultJob(config).run_and_verify()
+def _run(config: FaultJobConfig, recorder: Recorder) -> Verdict:
+    _, verdict = FaultJob(config).run_and_verify(recorder)
     assert verdict.final_compared or verdict.final_refused, "the shadows' final state was not checked"
     return verdict
 
@@ -56,7 +57,7 @@ def test_copy_loss_on_shadow_links(
             iterations=iterations,
             switch_args=(*drops, "--drop-seed", str(SEED + trial)),
         )
-        verdicts.append(_run(config))
+        verdicts.append(_run(config, reliability))
     dropped = sum(sum(v.injected_drops.get(p, 0) for p in SHADOW_PORTS) for v in verdicts)
     if fraction >= 0.01:
         assert dropped > 0, "no copy was dropped: the case exercised nothing"
@@ -65,7 +66,7 @@ def test_copy_loss_on_shadow_links(
         case=f"{fraction:.1%} of copies dropped on the shadow links (switch --drop-egress)",
         target="switch -> shadows",
         trials=trials,
-        lost=0,
+        **counted(verdicts),
         held=summarize(verdicts, SHADOW_PORTS),
     )
 
@@ -80,14 +81,14 @@ def test_worker_to_worker_loss_in_the_switch(tmp_path: Path, reliability: Record
             iterations=24,
             switch_args=(*drops, "--drop-seed", str(SEED + trial)),
         )
-        verdicts.append(_run(config))
+        verdicts.append(_run(config, reliability))
     assert sum(sum(v.injected_drops.values()) for v in verdicts) > 0
     reliability.record(
         area="fault",
         case="1% of worker-to-worker frames dropped (switch --drop-egress on the worker ports)",
         target="switch -> workers",
         trials=2,
-        lost=0,
+        **counted(verdicts),
         held=summarize(verdicts),
     )
 
@@ -101,14 +102,14 @@ def test_worker_send_loss_in_the_host_transport(tmp_path: Path, reliability: Rec
             iterations=24,
             worker_env={"CHECKMATE_LOSS": "0.02", "CHECKMATE_FAULT_SEED": str(SEED + trial)},
         )
-        verdicts.append(_run(config))
+        verdicts.append(_run(config, reliability))
     assert sum(v.transport.get("fault.send_drop", 0) for v in verdicts) > 0
     reliability.record(
         area="fault",
         case="2% of every worker's datagrams dropped at the sender (tagged ones too: copies never made)",
         target="host agents",
         trials=2,
-        lost=0,
+        **counted(verdicts),
         held=summarize(verdicts),
     )
 
@@ -126,7 +127,7 @@ def test_duplicated_and_reordered_datagrams(tmp_path: Path, reliability: Recorde
                 "CHECKMATE_FAULT_SEED": str(SEED + trial),
             },
         )
-        verdicts.append(_run(config))
+        verdicts.append(_run(config, reliability))
     assert all(v.transport.get("fault.duplicate", 0) > 0 for v in verdicts)
     assert all(v.transport.get("fault.reorder", 0) > 0 for v in verdicts)
     reliability.record(
@@ -134,7 +135,7 @@ def test_duplicated_and_reordered_datagrams(tmp_path: Path, reliability: Recorde
         case="5% of datagrams duplicated and 5% reordered by the senders (so are the switch's copies)",
         target="host agents, shadows",
         trials=2,
-        lost=0,
+        **counted(verdicts),
         held=summarize(verdicts),
     )
 
@@ -151,7 +152,7 @@ def test_worker_killed(tmp_path: Path, reliability: Recorder) -> None:
             kill_worker_at=iteration,
             kill_rank=rank,
         )
-        verdict = _run(config)
+        verdict = _run(config, reliability)
         assert verdict.restarts >= 1 and verdict.restores_compared >= 3, verdict
         verdicts.append(verdict)
         what.append(f"rank {rank} at {iteration}")
@@ -160,7 +161,7 @@ def test_worker_killed(tmp_path: Path, reliability: Recorder) -> None:
         case=f"kill -9 of a worker ({', '.join(what)}), all restarted from the shadows",
         target="workers",
         trials=3,
-        lost=0,
+        **counted(verdicts),
         held=summarize(verdicts),
         recovery_s=worst_recovery(verdicts),
     )
@@ -177,14 +178,14 @@ def test_shadow_killed(tmp_path: Path, reliability: Recorder) -> None:
             iterations=20,
             actions=(Action(iteration, "kill_shadow", shadow, delay=0.3),),
         )
-        verdicts.append(_run(config))
+        verdicts.append(_run(config, reliability))
         what.append(f"{shadow} at {iteration}")
     reliability.record(
         area="fault",
         case=f"kill -9 of a shadow ({', '.join(what)}), restarted with --resume, re-seeded by rank 0",
         target="shadows",
         trials=3,
-        lost=0,
+        **counted(verdicts),
         held=summarize(verdicts),
         recovery_s=worst_recovery(verdicts),
     )
@@ -201,7 +202,7 @@ def test_controller_killed_mid_write(tmp_path: Path, reliability: Recorder) -> N
             iterations=20,
             actions=(Action(iteration, "kill_ctl", "sh1", delay=delay, args=("1",)),),
         )
-        verdict = _run(config)
+        verdict = _run(config, reliability)
         (action,) = verdict.actions
         verdicts.append(verdict)
         state = "killed" if action["killed"] else "finished first"
@@ -211,7 +212,7 @@ def test_controller_killed_mid_write(tmp_path: Path, reliability: Recorder) -> N
         case="kill -9 of checkmate-ctl during `shadow move` (seeded delay), then reconcile and move back",
         target="controller",
         trials=3,
-        lost=0,
+        **counted(verdicts),
         held=summarize(verdicts)
         + "; a second reconcile found nothing to change every time ("
         + "; ".join(outcomes)
@@ -231,7 +232,7 @@ def test_switch_killed(tmp_path: Path, reliability: Recorder) -> None:
             iterations=20,
             actions=(Action(iteration, "kill_switch"),),
         )
-        verdict = _run(config)
+        verdict = _run(config, reliability)
         (action,) = verdict.actions
         assert action["restarted_pid"] != action["pid"]
         verdicts.append(verdict)
@@ -242,7 +243,7 @@ def test_switch_killed(tmp_path: Path, reliability: Recorder) -> None:
         "and reprograms it",
         target="switch",
         trials=3,
-        lost=0,
+        **counted(verdicts),
         held=summarize(verdicts),
         recovery_s=worst_recovery(verdicts),
     )
@@ -259,7 +260,7 @@ def test_crash_while_writing_a_checkpoint(tmp_path: Path, reliability: Recorder)
             iterations=20,
             actions=(Action(iteration, "kill_shadow_writing", shadow, delay=0.3),),
         )
-        verdict = _run(config)
+        verdict = _run(config, reliability)
         (action,) = verdict.actions
         hits += int(bool(action["during_write"]))
         partial_files += len(action["partial_files"])
@@ -270,7 +271,7 @@ def test_crash_while_writing_a_checkpoint(tmp_path: Path, reliability: Recorder)
         case="kill -9 of a shadow while it writes a snapshot (crash mid-checkpoint)",
         target="shadows, checkpoint files",
         trials=3,
-        lost=0,
+        **counted(verdicts),
         held=f"{hits}/3 kills landed during a write, {partial_files} partial temp files left and ignored; "
         + summarize(verdicts),
         recovery_s=worst_recovery(verdicts),
@@ -290,7 +291,7 @@ def test_shadow_moved(tmp_path: Path, reliability: Recorder) -> None:
             actions=(Action(iteration, "move_shadow", "sh3", args=("1",)),),
             kill_worker_at=iteration + 4,
         )
-        verdict = _run(config)
+        verdict = _run(config, reliability)
         assert verdict.restarts >= 1
         verdicts.append(verdict)
     reliability.record(
@@ -298,7 +299,7 @@ def test_shadow_moved(tmp_path: Path, reliability: Recorder) -> None:
         case="a shadow moved to another host mid-run (checkmate-ctl shadow move), workers restarted later",
         target="controller, shadows",
         trials=2,
-        lost=0,
+        **counted(verdicts),
         held=summarize(verdicts),
         recovery_s=worst_recovery(verdicts),
     )

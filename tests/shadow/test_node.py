@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from checkmate import wire
+from checkmate.auth import DatagramAuth, secret_from_env
 from checkmate.control import (
     BucketLayout,
     BucketSpec,
@@ -100,6 +101,14 @@ class Rank0:
         self.sock.close()
 
 
+AUTH = DatagramAuth(secret_from_env(), JOB)
+
+
+def sealed(datagram_bytes: bytes) -> bytes:
+    """A repair answer or NACK with the job's MAC (checkmate.auth)."""
+    return datagram_bytes + AUTH.tag([datagram_bytes])
+
+
 class FakeWorker:
     """Answers REPAIR_REQUESTs for bucket 0 with GRAD (or NACKs everything)."""
 
@@ -110,6 +119,7 @@ class FakeWorker:
         self.address = self.sock.getsockname()
         self.nack = nack
         self.requests: list[list[tuple[int, int]]] = []
+        self.unauthenticated = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -120,8 +130,12 @@ class FakeWorker:
                 data, addr = self.sock.recvfrom(65536)
             except TimeoutError:
                 continue
-            header = wire.decode(data)[0]
-            extra = data[wire.HEADER_BYTES :]
+            opened = AUTH.open(memoryview(data))  # a shadow's repair request carries the job's MAC
+            if opened is None:
+                self.unauthenticated += 1
+                continue
+            header = wire.decode(opened)[0]
+            extra = bytes(opened[wire.HEADER_BYTES :])
             ranges = [(header.element_offset, header.element_count)]
             ranges += [struct.unpack_from("!II", extra, i) for i in range(0, len(extra), 8)]
             self.requests.append(ranges)
@@ -137,19 +151,21 @@ class FakeWorker:
                     header.sequence,
                     DType.NONE,
                 )
-                self.sock.sendto(reply.pack(), addr)
+                self.sock.sendto(sealed(reply.pack()), addr)
                 continue
             for i, (offset, count) in enumerate(ranges):
                 last = Flags.LAST if i == len(ranges) - 1 else Flags.NONE
                 values = GRAD[offset : offset + count].contiguous()
                 self.sock.sendto(
-                    datagram(
-                        header.iteration,
-                        offset,
-                        values,
-                        msg_type=MessageType.REPAIR_DATA,
-                        sequence=header.sequence,
-                        flags=last,
+                    sealed(
+                        datagram(
+                            header.iteration,
+                            offset,
+                            values,
+                            msg_type=MessageType.REPAIR_DATA,
+                            sequence=header.sequence,
+                            flags=last,
+                        )
                     ),
                     addr,
                 )
