@@ -73,6 +73,8 @@ from checkmate.control import (
     RestoreRequest,
     StatusReport,
     StatusRequest,
+    attach_job_state,
+    job_state_of,
     recv_message,
     send_message,
     torch_dtype,
@@ -82,6 +84,7 @@ from checkmate.control_frame import ControlAuth, bind
 from checkmate.fingerprint import fingerprint as state_fingerprint
 from checkmate.fingerprint import mismatches as fingerprint_mismatches
 from checkmate.job import JobSpec, JobSpecError
+from checkmate.job_state import JobState
 from checkmate.wire import (
     CHECKMATE_UDP_PORT,
     HEADER_BYTES,
@@ -100,7 +103,7 @@ from shadow.optimizer_apply import (
     StepRecord,
 )
 from shadow.repair import RepairPolicy, RepairTracker, request_datagram
-from shadow.snapshots import Snapshot, SnapshotPolicy, Snapshotter
+from shadow.snapshots import Snapshot, SnapshotPolicy, Snapshotter, disk_status
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +181,8 @@ class _CommitEntry(NamedTuple):
     """The commit carried a data position (else the previous iteration's stays)."""
     data_position: Any
     """That position, validated; None if it was refused."""
+    job_state: JobState | None = None
+    """The job state after the iteration (buffers, stateful objects, ...); None: unchanged."""
     fingerprint: dict[str, dict[str, Any]] | None = None
     """Rank 0's fingerprint of its state after the iteration (None: not checked this iteration)."""
 
@@ -247,6 +252,8 @@ class ShadowNode:
         self._optimizer_step = 0
         self._data_position: Any = None
         """The workers' data position after ``self._applied`` (None: unknown)."""
+        self._job_state: JobState | None = None
+        """The job state after ``self._applied`` (buffers, stateful objects; None: none sent)."""
         self._bad_positions = 0
         self._certified = -1
         self._last_verified = -1
@@ -428,6 +435,9 @@ class ShadowNode:
                 "resync_requests": stats.resync_requests,
                 "control_connected": self._control_conn is not None,
                 "snapshots": dict(vars(self.snapshotter.stats)) if self.snapshotter else None,
+                "disk": disk_status(self.snapshotter.policy.directory, self._applied)
+                if self.snapshotter
+                else None,
             }
         return document
 
@@ -651,6 +661,11 @@ class ShadowNode:
         if message.extra.get("data_position") is not None:
             position = self._checked_position(message.extra["data_position"], message.start_iteration - 1)
             message.extra["data_position"] = position
+        try:
+            job_state_of(message)
+        except ControlProtocolError as exc:
+            logger.error("shadow %s: unusable job_start: %s", self.name, exc)
+            return False
         with self._lock:
             new_run = conn is not self._job_conn or (
                 self._job is not None
@@ -743,6 +758,7 @@ class ShadowNode:
                 self._applied = start.start_iteration - 1
                 self._optimizer_step = int(start.extra.get("optimizer_step", self._optimizer_step))
                 self._data_position = start.extra.get("data_position")
+                self._job_state = job_state_of(start)
             self._pending_start = None
             self._restored_from = None
             # Certificates name the job's iterations: after a re-seed at t (a restart may
@@ -878,6 +894,7 @@ class ShadowNode:
                 message.optimizer_step,
                 sets_position,
                 position,
+                job_state=message.job_state,
                 fingerprint=message.fingerprint,
             )
             self._latest_commit = max(self._latest_commit, message.iteration)
@@ -922,6 +939,8 @@ class ShadowNode:
                 self._optimizer_step = entry.optimizer_step
                 if entry.sets_position:
                     self._data_position = entry.data_position
+                if entry.job_state is not None:
+                    self._job_state = entry.job_state
                 self._fulfil_captures_locked()
             elapsed = time.perf_counter() - started
             with self._lock:
@@ -1031,6 +1050,7 @@ class ShadowNode:
                 states[name] = {fmt.PARAM_STATE: tensor.clone()}
             groups = self._groups_now(job, epoch)
             position = self._data_position
+            job_state = self._job_state
         parameters = {p.name: (list(p.shape), str(torch_dtype(p.dtype))) for p in job.parameters}
         return Snapshot(
             step=iteration,
@@ -1046,6 +1066,7 @@ class ShadowNode:
                 "data_position": position,
                 "shards": self._shard_owners(job),
             },
+            job_state=job_state,
         )
 
     def _shard_owners(self, job: _Job) -> dict[str, str]:
@@ -1078,6 +1099,10 @@ class ShadowNode:
                 manifest = json.loads(manifest_path.read_text())
                 tensors = load_file(str(directory / manifest["file"]))
                 start = self._job_start_from_snapshot(global_state, manifest, tensors, extra, step)
+                try:
+                    attach_job_state(start, fmt.read_job_state(directory, global_state))
+                except fmt.CheckpointError as exc:
+                    logger.error("shadow %s: step %d's job state is unusable: %s", self.name, step, exc)
                 self._load_resumed(start, manifest, step)
                 return
         logger.info("shadow %s: no snapshot of its own to resume from in %s", self.name, root)
@@ -1137,6 +1162,7 @@ class ShadowNode:
         self._optimizer_step = int(start.extra.get("optimizer_step", 0))
         saved = start.extra.get("data_position")
         self._data_position = None if saved is None else self._checked_position(saved, step)
+        self._job_state = job_state_of(start)
         self._restored_from = step
         self._blocked = "resumed from a snapshot: waiting for rank 0's state to rejoin the job"
         logger.info(
@@ -1201,7 +1227,7 @@ class ShadowNode:
                     scalars.setdefault(name, {})[key] = value
         for name, tensor in epoch.static.items():
             tensors[f"param/{name}"] = tensor.clone()
-        return JobStart(
+        answer = JobStart(
             job_id=job.job_id,
             world_size=job.world_size,
             workers=list(job.workers),
@@ -1222,6 +1248,7 @@ class ShadowNode:
                 "shard_keys": sorted(job.shard_keys),
             },
         )
+        return attach_job_state(answer, self._job_state)
 
     # ---- maintenance: repairs and the status file ---------------------------------------
     def _maintenance_loop(self) -> None:
