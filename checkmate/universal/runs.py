@@ -7,11 +7,13 @@ re-saves it at once (to check the round trip element for element), trains
 universal checkpoints at the requested steps and returns the loss per step.
 Layouts: ``tp`` x ``dp`` (torch tensor parallelism + data-parallel gradient
 all-reduce), ``fsdp=1`` (FSDP2 ``fully_shard``), ``pp=2`` (two pipeline
-stages, activations and their gradients sent between them).
+stages, activations and their gradients sent between them), ``zero=1``
+(:class:`~checkmate.universal.zero.FlatZeroAdam` over padded flat partitions).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -28,8 +30,9 @@ import torch.nn.functional as F
 from checkmate import checkpoint_format as fmt
 from checkmate.universal.layout import Layout
 from checkmate.universal.load import _local, load_module
-from checkmate.universal.save import save_universal
+from checkmate.universal.save import save_records, save_universal
 from checkmate.universal.tiny import TinyConfig, batch, build, initial_atoms, logical_shapes, tiny_spec
+from checkmate.universal.zero import FlatZeroAdam
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +118,7 @@ def _step(
             if hidden.grad is None:
                 raise RuntimeError("stage 1 computed no gradient for its input activations")
             dist.send(hidden.grad.contiguous(), dst=rank - layout.dp * layout.tp)
-    if layout.dp > 1 and not layout.fsdp:
+    if layout.dp > 1 and not layout.fsdp and not layout.zero:
         _grads_over_dp(model, dp_group, layout.dp)
     value = loss.detach().clone()
     dist.all_reduce(value)  # sum over every rank: dp copies differ, tp copies equal, pp stage 0 adds 0
@@ -140,18 +143,29 @@ def rank_main(rank: int, job_dict: dict[str, object], store: str) -> None:
         init_method=f"file://{store}",
         rank=rank,
         world_size=layout.world_size,
-        timeout=__import__("datetime").timedelta(seconds=120),
+        timeout=datetime.timedelta(seconds=120),
     )
     try:
         model = build(config, layout, rank)
-        optimizer = torch.optim.Adam(model.parameters(), lr=job.lr)
         spec, shapes = tiny_spec(config), logical_shapes(config)
         reader = fmt.CheckpointReader(Path(job.load_root), job.first_step)
-        load_module(reader, model, optimizer, layout, rank, spec)
+        zero = FlatZeroAdam(model, layout, rank, spec, shapes, job.lr) if layout.zero else None
+        optimizer = torch.optim.Adam(model.parameters(), lr=job.lr)
+        if zero is not None:
+            zero.load(reader, spec)
+        else:
+            load_module(reader, model, optimizer, layout, rank, spec)
+
+        def save(root: Path, step: int) -> None:
+            if zero is not None:
+                save_records(root, step, zero.records(), zero.meta(), layout, spec, shapes)
+            else:
+                save_universal(root, step, model, optimizer, layout, spec, shapes)
+
         if job.resave_root:
-            save_universal(Path(job.resave_root), job.first_step, model, optimizer, layout, spec, shapes)
+            save(Path(job.resave_root), job.first_step)
         dp_group = None
-        if layout.dp > 1 and not layout.fsdp:
+        if layout.dp > 1 and not layout.fsdp and not layout.zero:
             # one group per (stage, tp index); every rank creates every group, in the same order
             for stage in range(layout.pp):
                 for tp_index in range(layout.tp):
@@ -162,10 +176,13 @@ def rank_main(rank: int, job_dict: dict[str, object], store: str) -> None:
         losses = {}
         for step in range(job.first_step + 1, job.last_step + 1):
             losses[step] = _step(job, config, layout, rank, model, dp_group, step)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if zero is not None:
+                zero.step()
+            else:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             if job.save_root and step in job.save_steps:
-                save_universal(Path(job.save_root), step, model, optimizer, layout, spec, shapes)
+                save(Path(job.save_root), step)
             if job.dcp_root and step in job.save_steps:
                 _save_dcp(Path(job.dcp_root) / f"step-{step}", model, optimizer)
         if rank == 0 and job.results:

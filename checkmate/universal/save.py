@@ -91,18 +91,35 @@ def save_universal(
 
     ``shapes``: every parameter's logical (universal) shape by checkpoint name.
     """
+    rank = dist.get_rank()
+    holdings = module_holdings(module, spec, layout, rank, shapes)
+    records = module_records(module, optimizer, holdings, layout, rank, spec)
+    local_names = rank_holdings(layout, spec, shapes, rank).local_names
+    name_of = {id(p): local_names[n] for n, p in module.named_parameters()}
+    meta = optimizer_meta(optimizer, name_of) if optimizer is not None else {}
+    return save_records(root, step, records, meta, layout, spec, shapes, extra, timeout)
+
+
+def save_records(
+    root: Path,
+    step: int,
+    records: Sequence[Record],
+    meta: Mapping[str, Any],
+    layout: Layout,
+    spec: ReshapeSpec,
+    shapes: Mapping[str, Sequence[int]],
+    extra: Mapping[str, Any] | None = None,
+    timeout: float = 120.0,
+) -> Path:
+    """Collective: each rank passes the records it holds and its optimizer description."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != layout.world_size:
         raise ValueError(f"layout {layout.describe()} has {layout.world_size} ranks, the job {world}")
     root = Path(root)
     staging = root / f".staging-step-{step:08d}"
-    holdings = module_holdings(module, spec, layout, rank, shapes)
-    write_rank_file(staging, rank, module_records(module, optimizer, holdings, layout, rank, spec))
-    local_names = rank_holdings(layout, spec, shapes, rank).local_names
-    name_of = {id(p): local_names[n] for n, p in module.named_parameters()}
-    meta = optimizer_meta(optimizer, name_of) if optimizer is not None else {}
+    write_rank_file(staging, rank, records)
     metas: list[Any] = [None] * world
-    dist.all_gather_object(metas, meta)
+    dist.all_gather_object(metas, dict(meta))
     _barrier(timeout)
     owned = assign_owners(shapes, world)[rank]
     merger = AtomMerger({n: shapes[n] for n in owned}, spec)

@@ -2,7 +2,8 @@
 
 The TP=2 x DP=2 job (torch ColwiseParallel / RowwiseParallel DTensors, a
 vocabulary-parallel embedding, fused QKV and gate/up) saves universal
-checkpoints at steps 3 and 6. Each target layout loads step 3, saves it again
+checkpoints at steps 3 and 6. Each target layout (plain DP, FSDP2, TP, PP,
+FSDP2 x TP, ZeRO-1 over padded flat partitions) loads step 3, saves it again
 at once — which must give the same atoms element for element — and trains
 steps 4..6 on the same global batches: its losses must continue the source
 run's (same math, other reduction orders).
@@ -56,7 +57,9 @@ def test_source_run_saves_complete_universal_checkpoints(source_run: tuple[Path,
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
 
 
-@pytest.mark.parametrize("target", ["tp=1,dp=3", "dp=2,fsdp=1", "tp=2,dp=1", "pp=2", "tp=2,dp=2,fsdp=1"])
+@pytest.mark.parametrize(
+    "target", ["tp=1,dp=3", "dp=2,fsdp=1", "tp=2,dp=1", "pp=2", "tp=2,dp=2,fsdp=1", "dp=3,zero=1,align=4"]
+)
 def test_resume_in_another_layout(
     source_run: tuple[Path, dict[int, float]], target: str, tmp_path: Path
 ) -> None:
@@ -87,6 +90,23 @@ def test_resume_in_another_layout(
             d = got.shape[0] // 3
             got, want = torch.cat([got[:d], got[2 * d :]]), torch.cat([want[:d], want[2 * d :]])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_zero1_checkpoint_resumes_as_tp_by_dp(
+    source_run: tuple[Path, dict[int, float]], tmp_path: Path
+) -> None:
+    root, source_losses = source_run
+    run_layout(
+        RunJob(
+            "dp=3,zero=1,align=4", str(root / "ckpt"), 3, 4, save_root=str(tmp_path / "z"), save_steps=[4]
+        ),
+        timeout=120,
+    )
+    losses = run_layout(
+        RunJob(SOURCE, str(tmp_path / "z"), 4, 5, resave_root=str(tmp_path / "back")), timeout=120
+    )
+    assert_same_atoms(CheckpointReader(tmp_path / "z", 4), CheckpointReader(tmp_path / "back", 4))
+    assert losses[5] == pytest.approx(source_losses[5], abs=1e-4)
 
 
 def test_fsdp2_checkpoint_resumes_as_tp_by_dp(
