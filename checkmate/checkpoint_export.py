@@ -96,6 +96,7 @@ def export_deepspeed_universal(reader: CheckpointReader, output: Path, tag: str 
     from checkmate.universal.spec import spec_of_checkpoint
 
     spec = spec_of_checkpoint(reader.global_state)
+    metadata = {name: deepspeed_metadata(spec, name) for name in reader.parameters}  # refuse before writing
     tag = tag or f"global_step{reader.step}_universal"
     folder = output / tag
     zero = folder / "zero"
@@ -105,7 +106,7 @@ def export_deepspeed_universal(reader: CheckpointReader, output: Path, tag: str 
         for state in reader.states_of(name):
             file = DEEPSPEED_STATE_FILES.get(state, state)
             value = reader.parameter(name, state)
-            keys = deepspeed_metadata(spec, name) if value.dim() else {}
+            keys = metadata[name] if value.dim() else {}
             torch.save({"param": value, **keys}, directory / f"{file}.pt")
     torch.save(
         {"optimizer_state_dict": {"param_groups": _param_groups(reader)}, "step": reader.step},

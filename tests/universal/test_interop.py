@@ -115,3 +115,18 @@ def test_dcp_import_with_a_tp_degree_its_rules_cannot_split_fails_before_writing
     with pytest.raises(LayoutError, match="qkv.*TP degree 5 does not divide"):
         import_dcp(tmp_path / "dcp", tmp_path / "out", tiny_spec(CONFIG), tp=5)
     assert not (tmp_path / "out").exists()
+
+
+def test_deepspeed_export_refuses_unequal_fused_parts_before_writing(tmp_path: Path) -> None:
+    atoms = random_atoms(10)
+    reader = write_atoms(tmp_path / "u", atoms)
+    spec = tiny_spec(CONFIG).to_json()
+    for rule in spec["rules"]:
+        if "qkv" in rule["pattern"]:
+            rule["parts"] = [16, 8, 24]  # grouped-query attention: q, k, v of different sizes
+    reader.global_state["extra"]["universal"]["spec"] = spec
+    with pytest.raises(
+        LayoutError, match=r"layers\.0\.attn\.qkv\.bias: .*param_n_sub_params needs equal parts"
+    ):
+        export_deepspeed_universal(reader, tmp_path / "ds")
+    assert not (tmp_path / "ds").exists()
