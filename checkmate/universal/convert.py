@@ -34,6 +34,7 @@ from checkmate.universal.layout import Layout, RankHoldings, rank_holdings
 from checkmate.universal.load import RankState, checkpoint_shapes, load_rank, resolve_spec
 from checkmate.universal.rank_files import (
     read_layout_file,
+    read_layout_job_state,
     read_rank_records,
     write_layout_file,
     write_rank_file,
@@ -121,6 +122,7 @@ def to_rank_files(
             reader.step,
             reader.global_state.get("optimizer", {}),
             reader.global_state.get("extra", {}),
+            job_state=reader.job_state(),
         )
     return Path(output), boxes.elements_read
 
@@ -151,6 +153,7 @@ def from_rank_files(folder: Path, output: Path, num_shards: int = 1) -> Path:
             },
             document.get("optimizer") or {},
             extra,
+            job_state=read_layout_job_state(folder, document),
         )
         fmt.update_latest(staging, step)
     return fmt.step_dir(Path(output), step)

@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from checkmate import checkpoint_format as fmt
+from checkmate.job_state import JobState
 from checkmate.universal.extract import Record
 from checkmate.universal.layout import Layout
 from checkmate.universal.spec import LayoutError, ReshapeSpec
@@ -30,6 +31,7 @@ from checkmate.universal.spec import LayoutError, ReshapeSpec
 logger = logging.getLogger(__name__)
 
 LAYOUT_FILE = "layout.json"
+JOB_STATE_FILE = "job-state.safetensors"
 RANK_FORMAT_VERSION = 1
 
 
@@ -75,8 +77,9 @@ def write_layout_file(
     optimizer: Mapping[str, Any],
     extra: Mapping[str, Any] | None = None,
     dtypes: Mapping[str, str] | None = None,
+    job_state: JobState | None = None,
 ) -> Path:
-    """The folder's completion marker: written after every rank file."""
+    """The folder's completion marker: written after every rank file (and the job state's tensors)."""
     document = {
         "version": RANK_FORMAT_VERSION,
         "layout": layout.describe(),
@@ -90,6 +93,11 @@ def write_layout_file(
         "optimizer": dict(optimizer),
         "extra": dict(extra or {}),
     }
+    if job_state is not None:
+        document["job_state"] = job_state.document
+        if job_state.tensors:
+            tensors = {k: t.detach().contiguous().clone() for k, t in sorted(job_state.tensors.items())}
+            save_file(tensors, str(folder / JOB_STATE_FILE))
     path = folder / LAYOUT_FILE
     fmt._atomic_write_json(path, document)
     return path
@@ -111,6 +119,21 @@ def read_layout_file(folder: Path) -> dict[str, Any]:
         if key not in document:
             raise LayoutError(f"{path}: missing {key!r}")
     return document
+
+
+def read_layout_job_state(folder: Path, document: Mapping[str, Any]) -> JobState | None:
+    """The job state a rank folder carries (written by ``write_layout_file``), or None."""
+    if "job_state" not in document:
+        return None
+    tensors: dict[str, torch.Tensor] = {}
+    path = Path(folder) / JOB_STATE_FILE
+    if path.is_file():
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+        except SafetensorError as exc:
+            raise LayoutError(f"{path}: cannot be read ({exc})") from None
+    return JobState(dict(document["job_state"]), tensors)
 
 
 def read_rank_records(folder: Path, rank: int, names: Iterable[str] | None = None) -> list[Record]:

@@ -4,9 +4,10 @@
 trains the tiny transformer with TP=2 x DP=2 (4 ranks) for ``--steps``
 iterations, saving a universal checkpoint at ``--switch``; then resumes that
 checkpoint as TP=1 x DP=3, FSDP2 on 2 ranks, TP=2 x DP=1, PP=2, FSDP2 x TP
-(2 x 2) and ZeRO-1 on 3 ranks, and trains to ``--steps`` on the same global batches. Writes ``reshard_loss.json`` (every
-loss, and each resumed run's largest difference from the source run) and
-``reshard_loss.png`` (loss per step; the difference on a log scale).
+(2 x 2) and ZeRO-1 on 3 ranks, and trains to ``--steps`` on the same global
+batches. Writes ``reshard_loss.json`` (every loss, and each resumed run's
+largest difference from the source run) and ``reshard_loss.png`` (loss per
+step; the difference on a log scale).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from torch import nn
 
 from checkmate import checkpoint_format as fmt
 from checkmate.checkpoint_format import PARAM_STATE
+from checkmate.job_state import JobState
 from checkmate.universal.extract import AtomMerger, Record, records_of_tensor
 from checkmate.universal.geometry import numel, whole
 from checkmate.universal.layout import Layout, LocalTensor, rank_holdings
@@ -86,10 +87,12 @@ def save_universal(
     shapes: Mapping[str, Sequence[int]],
     extra: Mapping[str, Any] | None = None,
     timeout: float = 120.0,
+    job_state: JobState | None = None,
 ) -> Path:
     """Collective: every rank of ``layout`` calls it; returns the step's folder.
 
-    ``shapes``: every parameter's logical (universal) shape by checkpoint name.
+    ``shapes``: every parameter's logical (universal) shape by checkpoint name;
+    ``job_state`` (rank 0's: buffers, scheduler, ...) goes into global.json as is.
     """
     rank = dist.get_rank()
     holdings = module_holdings(module, spec, layout, rank, shapes)
@@ -97,7 +100,7 @@ def save_universal(
     local_names = rank_holdings(layout, spec, shapes, rank).local_names
     name_of = {id(p): local_names[n] for n, p in module.named_parameters()}
     meta = optimizer_meta(optimizer, name_of) if optimizer is not None else {}
-    return save_records(root, step, records, meta, layout, spec, shapes, extra, timeout)
+    return save_records(root, step, records, meta, layout, spec, shapes, extra, timeout, job_state)
 
 
 def save_records(
@@ -110,6 +113,7 @@ def save_records(
     shapes: Mapping[str, Sequence[int]],
     extra: Mapping[str, Any] | None = None,
     timeout: float = 120.0,
+    job_state: JobState | None = None,
 ) -> Path:
     """Collective: each rank passes the records it holds and its optimizer description."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -136,6 +140,7 @@ def save_records(
             {n: (list(s), "torch.float32") for n, s in shapes.items()},
             _merge_meta(metas),
             {**dict(extra or {}), "universal": universal},
+            job_state=job_state,
         )
         fmt.update_latest(root, step)
         shutil.rmtree(staging, ignore_errors=True)

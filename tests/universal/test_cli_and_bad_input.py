@@ -203,3 +203,26 @@ def test_a_save_interrupted_before_global_json_is_not_a_complete_step(
     assert fmt.complete_steps(tmp_path / "u") == [1]
     assert fmt.read_latest(tmp_path / "u") == 1
     assert CheckpointReader(tmp_path / "u").step == 1
+
+
+def test_job_state_travels_through_rank_files(saved: tuple[Path, dict], tmp_path: Path) -> None:
+    from checkmate.job_state import JobState
+
+    root, atoms = saved
+    reader = CheckpointReader(root)
+    job_state = JobState(
+        {
+            "buffers": {"rope.cache": {"__tensor__": "b0"}},
+            "stateful": {"scheduler": {"last_epoch": 7}},
+            "param_groups": [],
+        },
+        {"b0": torch.arange(6.0)},
+    )
+    parameters = {n: (m["shape"], m["dtype"]) for n, m in reader.parameters.items()}
+    g = reader.global_state
+    fmt.write_global(root, reader.step, parameters, g["optimizer"], g["extra"], job_state=job_state)
+    convert.to_rank_files(CheckpointReader(root), tmp_path / "r", Layout(tp=2))
+    convert.from_rank_files(tmp_path / "r", tmp_path / "back")
+    back = CheckpointReader(tmp_path / "back")
+    assert back.job_state() is not None and back.job_state().equals(job_state)
+    assert_atoms_equal(back, atoms)
