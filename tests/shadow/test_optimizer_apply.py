@@ -9,7 +9,13 @@ import torch
 from torch import nn
 
 from checkmate.optimizers import pin_implementation
-from shadow.optimizer_apply import OptimizerSpec, OptimizerSpecError, ShadowOptimizer, StepRecord
+from shadow.optimizer_apply import (
+    GradientScaling,
+    OptimizerSpec,
+    OptimizerSpecError,
+    ShadowOptimizer,
+    StepRecord,
+)
 
 torch.set_num_threads(1)
 
@@ -146,3 +152,57 @@ def test_unsupported_or_inconsistent_specs_are_refused() -> None:
         shard.apply(StepRecord(0, [0.1]), {})
     with pytest.raises(ValueError, match="learning rates"):
         shard.apply(StepRecord(0, [0.1, 0.2]), {"0.bias": torch.zeros(32)})
+
+
+class SignSGD(torch.optim.Optimizer):
+    """A user's own optimizer, importable by module and name: the shadow replays it."""
+
+    def __init__(self, params: object, lr: float = 0.01, decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "decay": decay})  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["count"] = state.get("count", 0) + 1  # non-tensor state
+                p.mul_(1 - group["decay"]).add_(torch.sign(p.grad), alpha=-group["lr"])
+
+
+def test_a_users_optimizer_class_and_gradients_skipped_or_scaled_replay_exactly() -> None:
+    worker = model()
+    names = {id(p): n for n, p in worker.named_parameters()}
+    params = dict(worker.named_parameters())
+    optimizer = SignSGD(worker.parameters(), lr=0.01, decay=1e-3)
+    spec = OptimizerSpec.from_optimizer(optimizer, names)
+    assert (spec.module, spec.qualname) == (__name__, "SignSGD")
+    initial = {n: p.detach().clone() for n, p in worker.named_parameters()}
+    shard = ShadowOptimizer(initial, spec, set(initial))
+    generator = torch.Generator().manual_seed(3)
+    for iteration in range(4):
+        x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(worker(x), y).backward()
+        gradients = {n: p.grad.detach().clone() for n, p in worker.named_parameters()}  # type: ignore[union-attr]
+        # the workers: unscale, then clip a subset, and one parameter had no gradient
+        for p in worker.parameters():
+            p.grad.mul_(torch.tensor(0.25))  # type: ignore[union-attr]
+        params["2.bias"].grad.mul_(torch.tensor(0.5))  # type: ignore[union-attr]
+        params["0.bias"].grad = None
+        optimizer.step()
+        record = StepRecord(
+            iteration,
+            [0.01],
+            no_grad=frozenset({"0.bias"}),
+            gradient_scaling=(
+                GradientScaling("unscale", 0.25),
+                GradientScaling("clip", 0.5, params=frozenset({"2.bias"})),
+            ),
+        )
+        shard.apply(record, gradients)
+    for name, value in shard.parameters.items():
+        assert torch.equal(value, params[name].detach()), name
+        assert shard.optimizer_state(name) == dict(optimizer.state[params[name]]), name
+    assert shard.optimizer_state("0.bias") == {}  # never had a gradient: never stepped
