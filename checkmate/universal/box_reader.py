@@ -84,18 +84,37 @@ class BoxReader:
         if box == whole(shape):
             self.elements_read += numel(box)
             return reader.parameter(name, state).reshape(shape)  # whole: checksum-verified
-        parts: list[tuple[int, torch.Tensor]] = []
-        cursor = 0
-        for run_start, run_stop, _ in box_runs(shape, box):
-            for piece in pieces:
-                lo, hi = max(run_start, piece.start), min(run_stop, piece.end)
-                if lo >= hi:
-                    continue
+        total = 1
+        for n in shape:
+            total *= n
+        for piece in pieces:
+            if piece.start == 0 and piece.end == total:
+                # one stored tensor holds the whole parameter: one n-d slice, only the box's bytes
                 with reader._open(piece.file) as handle:
                     view = handle.get_slice(piece.key)
-                    stored = tuple(view.get_shape())
+                    if tuple(view.get_shape()) == shape:
+                        self.elements_read += numel(box)
+                        return view[slices(box)].reshape(extents(box))
+        parts: list[tuple[int, torch.Tensor]] = []
+        runs = box_runs(shape, box)
+        offsets = []
+        cursor = 0
+        for run_start, run_stop, _ in runs:
+            offsets.append(cursor)
+            cursor += run_stop - run_start
+        for piece in pieces:  # each stored slice opened once, its runs read as flat ranges
+            hits = [
+                (at + max(a, piece.start) - a, max(a, piece.start), min(b, piece.end))
+                for at, (a, b, _) in zip(offsets, runs, strict=True)
+                if max(a, piece.start) < min(b, piece.end)
+            ]
+            if not hits:
+                continue
+            with reader._open(piece.file) as handle:
+                view = handle.get_slice(piece.key)
+                stored = tuple(view.get_shape())
+                for at, lo, hi in hits:
                     if stored == shape and piece.start == 0:
-                        # the whole parameter in its shape: n-d slices of just this run
                         part = torch.cat(
                             [view[slices(sub)].reshape(-1) for _, sub in flat_range_boxes(shape, lo, hi)]
                         )
@@ -105,10 +124,9 @@ class BoxReader:
                         raise CheckpointError(
                             f"{reader.directory / piece.file}: {piece.key} holds a slice in shape {stored}"
                         )
-                parts.append((cursor + lo - run_start, part))
-                self.elements_read += hi - lo
-            cursor += run_stop - run_start
-        if cursor != numel(box) or sum(p.numel() for _, p in parts) != cursor:
+                    parts.append((at, part))
+                    self.elements_read += hi - lo
+        if sum(p.numel() for _, p in parts) != cursor:
             raise CheckpointError(f"{name}::{state}: box {box} is not fully covered by the checkpoint")
         out = torch.empty(cursor, dtype=parts[0][1].dtype)
         for at, part in parts:
