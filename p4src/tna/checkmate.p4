@@ -7,9 +7,10 @@
  * Tofino compiler cannot place the v1model shape (p4src/tna/include/*.p4 say
  * where; docs/protocol.md says what each target checks where). In the P4Info
  * the Tofino compiler generates, names carry the pipe prefix
- * ("pipe.CheckmateIngress.route_ipv4"); the controller resolves tables by
- * their unqualified name, so it drives either program unchanged
- * (p4src/tna/checkmate.tofino.p4info.txtpb is that P4Info, committed).
+ * ("pipe.CheckmateIngress.route_ipv4") and counters are Tofino externs; the
+ * controller resolves unqualified names and reads those externs, so it drives
+ * either program (p4src/tna/checkmate.tofino.p4info.txtpb is that P4Info,
+ * committed).
  * Unlike v1model, the incoming IPv4 header checksum is not verified here.
  *
  *   make p4-tofino      (p4c-barefoot --target tofino --arch tna, then bfas;
