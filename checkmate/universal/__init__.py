@@ -12,5 +12,11 @@ parallel job holds:
 * :mod:`.rank_files` — per-rank shard files of one layout (what a job saves or loads);
 * :mod:`.extract` — merging pieces from any layout into universal atoms;
 * :mod:`.load` — filling a rank's tensors (plain or DTensor) and optimizer state;
-* :mod:`.interop` — DeepSpeed universal and torch DCP imports.
+* :mod:`.save` — a live job of any layout saving one universal checkpoint (collective);
+* :mod:`.convert` — offline: universal <-> rank files, validated before writing;
+* :mod:`.interop` — DeepSpeed universal export keys and import, torch DCP import;
+* :mod:`.zero` — a minimal flat-partition ZeRO-1 Adam (for the CPU runs);
+* :mod:`.shadow_merge` — TP-sharded shadow snapshots merged into atoms (design piece);
+* :mod:`.tiny`, :mod:`.runs`, :mod:`.reshard_demo` — the tiny transformer, its
+  multi-rank CPU runs and the loss-across-layouts figure.
 """
