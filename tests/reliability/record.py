@@ -99,7 +99,7 @@ class Recorder:
             target=str(pending["target"]),
             trials=int(pending["trials"]),  # type: ignore[call-overload]
             compared=compared,
-            comparisons=max(self.comparisons, 1) if compared else None,
+            comparisons=max(self.comparisons, self.differed, 1) if compared else None,
             differed=max(1, self.differed) if compared else None,
             lost=None if compared else max(1, self.differed),
             held=f"FAILED: {reason}",

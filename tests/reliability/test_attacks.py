@@ -1,0 +1,474 @@
+"""Attack suite: packets and connections from outside a job, each row "nothing lost, nobody let in".
+
+docs/security.md is the threat model. Every row counts what it compared: for each
+forged, spoofed, replayed, oversized or slow message, whether it was let in (a drop
+or refusal counted by the target, no state handed out) and whether the state it
+aimed at still equals the reference (the shadow's parameters == torch.optim.SGD's,
+the worker's unacknowledged data still outstanding). ``lost`` is the number that
+differed. Spoofing a job member's exact source address needs a raw socket (root).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkmate.auth import DatagramAuth, secret_from_env
+from checkmate.control import (
+    Commit,
+    JobStart,
+    RestoreRequest,
+    StatusReport,
+    StatusRequest,
+    encode_message,
+    recv_message,
+    send_message,
+)
+from checkmate.control_frame import HEAD_BYTES, PREFIX, ControlAuth, ControlSession, bind
+from checkmate.wire import CheckmateHeader, DType, MessageType, encode
+from hosts.transport import Transport, TransportConfig
+from shadow.node import ShadowConfig, ShadowNode
+from shadow.repair import RepairPolicy
+from tests.reliability.record import Recorder
+from tests.shadow.test_node import GRAD, INITIAL, JOB, datagram, join, reference, wait_for, worker_socket
+
+TRIALS = 40
+WRONG_SECRET = bytes.fromhex("77" * 32)
+"""Another job's secret: a member of another job knows its own secret, not this one's."""
+SHADOW_HOST = "127.0.0.50"
+OUTSIDER = "127.0.0.99"
+"""A host that is not a member of the job."""
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[ShadowNode]:
+    torch.set_num_threads(1)
+    shadow = ShadowNode(
+        ShadowConfig(
+            name="s0",
+            control_bind=(SHADOW_HOST, 0),
+            data_bind=(SHADOW_HOST, 0),
+            status_file=tmp_path / "status.json",
+            horizon=4,
+            io_timeout=2.0,
+            repair=RepairPolicy(grace=5.0),  # every genuine copy is sent: no repairs
+        )
+    ).start()
+    yield shadow
+    shadow.close()
+
+
+def _drops(node: ShadowNode, reason: str) -> int:
+    return int(node.status()["drops"].get(reason, 0))
+
+
+def _state_differs(node: ShadowNode, steps: int) -> int:
+    """1 if the shadow's parameters differ from torch.optim.SGD's after ``steps`` steps, else 0."""
+    want = reference(steps)
+    got = node.parameters()
+    return int(not all(torch.equal(got[n], want[n]) for n in want))
+
+
+def _genuine_iteration(node: ShadowNode, rank0: object, iteration: int) -> list[bytes]:
+    copies = [datagram(iteration, 0, GRAD[:8]), datagram(iteration, 8, GRAD[8:])]
+    rank0.send(Commit(JOB, iteration, [0.1]))  # type: ignore[attr-defined]
+    with worker_socket() as sender:
+        for data in copies:
+            sender.sendto(data, node.data_address)
+    assert node.wait_applied(iteration, 10), node.status()
+    return copies
+
+
+def spoof(source: tuple[str, int], target: tuple[str, int], payload: bytes) -> None:
+    """One UDP datagram with ``source`` as its IP source address and port (raw socket, root)."""
+    udp = struct.pack("!HHHH", source[1], target[1], 8 + len(payload), 0) + payload
+    ip = struct.pack(
+        "!BBHHHBBH4s4s",
+        0x45,
+        0,
+        20 + len(udp),
+        0,
+        0,
+        64,
+        socket.IPPROTO_UDP,
+        0,
+        socket.inet_aton(source[0]),
+        socket.inet_aton(target[0]),
+    )
+    with socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW) as raw:
+        raw.sendto(ip + udp, (target[0], 0))
+
+
+# ---- gradient data into a shadow ----------------------------------------------------------
+def test_spoofed_other_job_and_replayed_data_never_change_a_shadow(
+    node: ShadowNode, reliability: Recorder
+) -> None:
+    reliability.begin(
+        area="bad input",
+        case="gradient DATA from a host not enrolled in the job, of another job, and replayed from "
+        "an earlier iteration",
+        target="shadow node",
+        compared="per datagram: dropped (counted by reason) or placed; the shadow's parameters after "
+        "each iteration == torch.optim.SGD on the genuine gradients",
+        trials=3 * TRIALS,
+    )
+    rank0 = join(node)
+    wrong = GRAD * 7
+    comparisons = differed = 0
+    outsider = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    outsider.bind((OUTSIDER, 0))
+    before = _drops(node, "not_from_a_worker"), _drops(node, "other_job"), _drops(node, "stale_iteration")
+    rank0.send(Commit(JOB, 0, [0.1]))
+    with worker_socket() as member:
+        for i in range(TRIALS):
+            offset = (i * 4) % 12
+            # an outsider with wrong values for the iteration being placed
+            outsider.sendto(datagram(0, offset, wrong[offset : offset + 4]), node.data_address)
+            # another job's copy, from a job member's host
+            member.sendto(datagram(0, offset, wrong[offset : offset + 4], job_id=JOB + 1), node.data_address)
+        time.sleep(0.2)
+        for data in (datagram(0, 0, GRAD[:8]), datagram(0, 8, GRAD[8:])):
+            member.sendto(data, node.data_address)
+    assert node.wait_applied(0, 10), node.status()
+    outside = _drops(node, "not_from_a_worker") - before[0]
+    other = _drops(node, "other_job") - before[1]
+    comparisons += 2 * TRIALS + 1
+    differed += (TRIALS - outside) + (TRIALS - other) + _state_differs(node, 1)
+    # the genuine copies of iteration 0, replayed during iteration 1
+    rank0.send(Commit(JOB, 1, [0.1]))
+    with worker_socket() as member:
+        for _ in range(TRIALS // 2):
+            member.sendto(datagram(0, 0, wrong[:8]), node.data_address)
+            member.sendto(datagram(0, 8, GRAD[8:]), node.data_address)
+        for data in (datagram(1, 0, GRAD[:8]), datagram(1, 8, GRAD[8:])):
+            member.sendto(data, node.data_address)
+    assert node.wait_applied(1, 10), node.status()
+    stale = _drops(node, "stale_iteration") - before[2]
+    comparisons += TRIALS + 1
+    differed += max(0, TRIALS - stale) + _state_differs(node, 2)
+    reliability.compare(comparisons, differed)
+    outsider.close()
+    rank0.close()  # type: ignore[attr-defined]
+    assert differed == 0, (outside, other, stale, node.status()["drops"])
+    reliability.record(
+        area="bad input",
+        case="gradient DATA from a host not enrolled in the job, of another job, and replayed from "
+        "an earlier iteration",
+        target="shadow node",
+        trials=3 * TRIALS,
+        compared="per datagram: dropped (counted by reason) or placed; the shadow's parameters after "
+        "each iteration == torch.optim.SGD on the genuine gradients",
+        comparisons=comparisons,
+        differed=differed,
+        held=f"{outside}/{TRIALS} from outside the job dropped (not_from_a_worker), {other}/{TRIALS} of "
+        f"job {JOB + 1} dropped (other_job), {stale}/{TRIALS} replayed from iteration 0 dropped "
+        "(stale_iteration); both iterations applied bit-equal to torch.optim.SGD",
+    )
+
+
+# ---- forged transport control datagrams --------------------------------------------------
+@pytest.mark.root
+def test_forged_ack_nack_and_repair_requests_are_not_let_in(reliability: Recorder) -> None:
+    case = (
+        "forged ACK, NACK and REPAIR_REQUEST with a job member's exact source address (raw socket): "
+        "no MAC, or another job's MAC"
+    )
+    compared = (
+        "per datagram: dropped as unauthenticated or acted on; the sender's unacknowledged data and "
+        "retransmissions, and the repair service's calls, before and after"
+    )
+    reliability.begin(area="bad input", case=case, target="host agent transport", compared=compared)
+    a_addr, b_addr, shadow_addr = ("127.0.0.70", 47001), ("127.0.0.71", 47002), ("127.0.0.72", 47003)
+    requests: list[int] = []
+    a = Transport(TransportConfig(bind=a_addr, peer_timeout=60.0, initial_rto=5.0, min_rto=5.0, max_rto=5.0))
+    try:
+        a.add_job(JOB, 0, {0: a_addr, 1: b_addr}, lambda *_: None, on_request=lambda *_: requests.append(1))
+        payload = bytes(16)
+        for i in range(8):  # nobody listens at b: these stay unacknowledged
+            a.send(b_addr, CheckmateHeader(MessageType.DATA, JOB, 0, 0, 0, 4 * i, 4, 0), payload)
+        assert wait_for(lambda: a.stats()["unacked"] == 8)
+        other_job = DatagramAuth(WRONG_SECRET, JOB)
+        forged = 0
+        for i in range(TRIALS):
+            kind = (MessageType.ACK, MessageType.NACK, MessageType.REPAIR_REQUEST)[i % 3]
+            count = 4 if kind is MessageType.REPAIR_REQUEST else 1
+            header = CheckmateHeader(kind, JOB, 0, 0, 1, 1024, count, 8, dtype=DType.NONE)
+            body = encode(header) + (
+                struct.pack("!II", 0, 8) if kind is not MessageType.REPAIR_REQUEST else b""
+            )
+            signed = body + other_job.tag([body]) if i % 2 else body
+            spoof(b_addr if kind is not MessageType.REPAIR_REQUEST else shadow_addr, a_addr, signed)
+            forged += 1
+        time.sleep(0.5)
+        stats = a.stats()
+        unauthenticated = stats.get("drop.unauthenticated", 0)
+        differed = (
+            (forged - unauthenticated)
+            + int(stats["unacked"] != 8)  # a forged cumulative ACK released data
+            + int(stats.get("retransmit.nack", 0) > 0)  # a forged NACK was acted on
+            + int(bool(requests))  # a forged repair request reached the repair service
+        )
+        comparisons = forged + 3
+        reliability.compare(comparisons, differed)
+        assert differed == 0, stats
+    finally:
+        a.close()
+    reliability.record(
+        area="bad input",
+        case=case,
+        target="host agent transport",
+        trials=forged,
+        compared=compared,
+        comparisons=comparisons,
+        differed=differed,
+        held=f"{unauthenticated}/{forged} forged datagrams dropped as unauthenticated before parsing; "
+        "the 8 unacknowledged DATA datagrams stayed outstanding (a forged cumulative ACK would have "
+        "released them), no NACK retransmission, the repair service was never called",
+    )
+
+
+@pytest.mark.root
+def test_forged_repair_answers_never_change_a_shadow(node: ShadowNode, reliability: Recorder) -> None:
+    case = "forged REPAIR_DATA and NACK into a shadow, with a worker's exact source address (raw socket)"
+    compared = (
+        "per datagram: dropped as unauthenticated or placed; the shadow's parameters == torch.optim.SGD"
+    )
+    reliability.begin(area="bad input", case=case, target="shadow node", compared=compared)
+    worker = ("127.0.0.60", 9)
+    rank0 = join(node, [worker, ("127.0.0.61", 9)])
+    before = _drops(node, "unauthenticated")
+    other_job = DatagramAuth(WRONG_SECRET, JOB)
+    rank0.send(Commit(JOB, 0, [0.1]))
+    for i in range(TRIALS):
+        if i % 2:
+            forged = datagram(0, 0, GRAD[:8] * 9, msg_type=MessageType.REPAIR_DATA)
+        else:
+            forged = CheckmateHeader(MessageType.NACK, JOB, 0, 0, 0, 0, 8, 1, DType.NONE).pack()
+        spoof(worker, node.data_address, forged + (other_job.tag([forged]) if i % 4 < 2 else b""))
+    time.sleep(0.3)
+    with worker_socket() as member:
+        for data in (datagram(0, 0, GRAD[:8]), datagram(0, 8, GRAD[8:])):
+            member.sendto(data, node.data_address)
+    assert node.wait_applied(0, 10), node.status()
+    dropped = _drops(node, "unauthenticated") - before
+    differed = (TRIALS - dropped) + _state_differs(node, 1)
+    comparisons = TRIALS + 1
+    reliability.compare(comparisons, differed)
+    rank0.close()
+    assert differed == 0, node.status()["drops"]
+    reliability.record(
+        area="bad input",
+        case=case,
+        target="shadow node",
+        trials=TRIALS,
+        compared=compared,
+        comparisons=comparisons,
+        differed=differed,
+        held=f"{dropped}/{TRIALS} dropped as unauthenticated (half without a MAC, half with another job's); "
+        "iteration 0 applied bit-equal to torch.optim.SGD",
+    )
+
+
+# ---- the control port --------------------------------------------------------------------
+class _Capture:
+    """A socket stand-in that keeps what a session writes (to replay it later)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def settimeout(self, _: float) -> None:
+        pass
+
+    def sendall(self, data: bytes | bytearray | memoryview) -> None:
+        self.data += bytes(data)
+
+
+def _answer_bytes(conn: socket.socket, timeout: float = 3.0) -> int:
+    """Bytes the shadow sent back before closing (or before ``timeout``)."""
+    conn.settimeout(timeout)
+    got = 0
+    try:
+        while chunk := conn.recv(1 << 16):
+            got += len(chunk)
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return got
+
+
+def _rogue_start() -> JobStart:
+    return JobStart(
+        job_id=JOB,
+        world_size=2,
+        workers=[(OUTSIDER, 9), (OUTSIDER, 10)],
+        parameters=[],
+        optimizer={"kind": "SGD", "param_groups": []},
+        start_iteration=0,
+        tensors={f"param/{n}": torch.full_like(t, 666.0) for n, t in INITIAL.items()},
+    )
+
+
+def test_rogue_job_start_and_restore_requests_without_the_secret(
+    node: ShadowNode, reliability: Recorder
+) -> None:
+    case = (
+        "rogue JobStart and restore requests: no secret (protocol v1 frame), another job's secret, and a "
+        "replay of a genuine restore request on a new connection"
+    )
+    compared = (
+        "per connection: bytes of state the shadow sent back (must be 0) and whether its job, applied "
+        "iteration or parameters changed"
+    )
+    reliability.begin(area="bad input", case=case, target="shadow node (control port)", compared=compared)
+    rank0 = join(node)
+    _genuine_iteration(node, rank0, 0)
+    wrong = ControlAuth(WRONG_SECRET)
+    comparisons = differed = answered = 0
+    for i in range(TRIALS):
+        message = _rogue_start() if i % 2 else RestoreRequest(JOB, None, 0.0)
+        with socket.create_connection(node.control_address, timeout=2) as conn:
+            try:
+                if i % 4 < 2:  # another job's key
+                    bind(conn, wrong, JOB)
+                    send_message(conn, message, timeout=2)
+                else:  # version 1 framing: no MAC at all
+                    parts = encode_message(message)
+                    text, blobs = bytes(parts[1]), b"".join(bytes(p) for p in parts[2:])
+                    conn.sendall(b"CMC1" + struct.pack("!IQ", len(text), len(blobs)) + text + blobs)
+            except OSError:
+                pass  # the shadow closed the connection after the head: that is the refusal
+            got = _answer_bytes(conn)
+        answered += got > 0
+        comparisons += 1
+        differed += got > 0
+    # a genuine restore request, recorded, then replayed on new connections
+    capture = _Capture()
+    ControlSession(ControlAuth(secret_from_env()), JOB).send(
+        capture,  # type: ignore[arg-type]
+        encode_message(RestoreRequest(JOB, None, 0.0))[1:],
+        JOB,
+        2.0,
+    )
+    with socket.create_connection(node.control_address, timeout=2) as conn:
+        conn.sendall(capture.data)
+        genuine = _answer_bytes(conn, timeout=1.0)
+    replays = 0
+    for _ in range(TRIALS // 4):
+        with socket.create_connection(node.control_address, timeout=2) as conn:
+            conn.sendall(capture.data)
+            got = _answer_bytes(conn)
+        replays += 1
+        comparisons += 1
+        differed += got > 0
+    status = node.status()
+    comparisons += 1
+    differed += int(status["job_id"] != JOB or status["applied_iteration"] != 0) + _state_differs(node, 1)
+    reliability.compare(comparisons, differed)
+    rank0.close()
+    assert genuine > 1000, "the genuine restore request was not answered: the test proves nothing"
+    assert differed == 0, (answered, status)
+    reliability.record(
+        area="bad input",
+        case=case,
+        target="shadow node (control port)",
+        trials=TRIALS + replays,
+        compared=compared,
+        comparisons=comparisons,
+        differed=differed,
+        held=f"{TRIALS} rogue connections ({TRIALS // 2} JobStarts of other tensors, {TRIALS // 2} restore "
+        f"requests; half v1 frames, half another job's key) and {replays} replays of a genuine restore "
+        f"request: every connection closed with 0 bytes of state sent (the genuine request got {genuine} "
+        "bytes); job, applied iteration and parameters unchanged (bit-equal to torch.optim.SGD)",
+    )
+
+
+def _status_latency(node: ShadowNode) -> float:
+    began = time.monotonic()
+    with socket.create_connection(node.control_address, timeout=2) as conn:
+        send_message(conn, StatusRequest(JOB), timeout=2)
+        reply = recv_message(conn, timeout=2)
+    assert isinstance(reply, StatusReport)
+    return time.monotonic() - began
+
+
+def test_oversized_and_slow_drip_control_messages_block_nobody(
+    node: ShadowNode, reliability: Recorder
+) -> None:
+    case = (
+        "oversized control frames (64 MiB JSON / 1 TiB blob announced) and slow-drip clients (1 byte a "
+        "second) on a shadow's control port"
+    )
+    compared = (
+        "per hostile connection: closed by the shadow within its I/O timeout (2 s) without an answer; per "
+        "genuine status request sent meanwhile: answered within 1 s"
+    )
+    reliability.begin(area="bad input", case=case, target="shadow node (control port)", compared=compared)
+    rank0 = join(node)
+    comparisons = differed = 0
+    # oversized: a head announcing a huge frame, with a made-up tag
+    for i in range(TRIALS // 2):
+        with socket.create_connection(node.control_address, timeout=2) as conn:
+            head = PREFIX.pack(b"CMC2", 64 << 20, (1 << 40) if i % 2 else 0)
+            conn.sendall(head + os.urandom(HEAD_BYTES - PREFIX.size) + b"x" * 1024)
+            got = _answer_bytes(conn)
+        comparisons += 1
+        differed += got > 0
+    # slow drip: clients that send one byte a second, all at once
+    drips = 10
+    closed_after: list[float] = []
+    stop = threading.Event()
+
+    def drip() -> None:
+        with socket.create_connection(node.control_address, timeout=5) as conn:
+            began = time.monotonic()
+            conn.settimeout(1.0)
+            for byte in b"CMC2" + bytes(200):
+                try:
+                    conn.sendall(bytes([byte]))
+                    if conn.recv(1) == b"":  # waits up to 1 s: the drip's pace
+                        break  # closed by the shadow
+                except TimeoutError:
+                    pass
+                except OSError:
+                    break
+                if stop.is_set():
+                    break
+            closed_after.append(time.monotonic() - began)
+
+    threads = [threading.Thread(target=drip, daemon=True) for _ in range(drips)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)
+    latencies = [_status_latency(node) for _ in range(5)]
+    time.sleep(0.5)
+    latencies += [_status_latency(node) for _ in range(5)]
+    for thread in threads:
+        thread.join(10)
+    stop.set()
+    comparisons += len(latencies) + drips
+    slow = sum(1 for t in latencies if t > 1.0)
+    held_open = drips - sum(1 for t in closed_after if t < 2.0 + 1.5)  # I/O timeout + the drip's pace
+    differed += slow + held_open
+    reliability.compare(comparisons, differed)
+    rank0.close()
+    assert differed == 0, (latencies, closed_after)
+    reliability.record(
+        area="bad input",
+        case=case,
+        target="shadow node (control port)",
+        trials=TRIALS // 2 + drips,
+        compared=compared,
+        comparisons=comparisons,
+        differed=differed,
+        held=f"{TRIALS // 2} oversized frames refused after their 60-byte head (nothing allocated, no "
+        f"answer); {drips} slow-drip clients cut off after "
+        f"{min(closed_after):.1f}-{max(closed_after):.1f} s; {len(latencies)} genuine status requests "
+        f"meanwhile answered in at most {max(latencies) * 1000:.0f} ms",
+    )
