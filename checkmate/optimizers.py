@@ -9,8 +9,11 @@ its module and qualified name (``{"kind": "RMSprop", "module": "torch.optim.rmsp
 "qualname": "RMSprop", "param_groups": [...]}``), and the shadow imports it.
 Every ``torch.optim`` optimizer that takes no closure and dense gradients works
 (SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, ASGD,
-Rprop, Adafactor, Muon); so does a user's class importable on the shadow (not
-one defined in ``__main__`` or inside a function). On CPU the replay is bit-exact
+Rprop, Muon); so does a user's class importable on the shadow (not one defined
+in ``__main__`` or inside a function) whose state is element-wise (each state
+tensor shaped like its parameter, or 0-d: :func:`non_elementwise_state` checks it
+after the first step). Adafactor is refused: its factored state does not fit the
+layout-free checkpoint. On CPU the replay is bit-exact
 when both sides run the same implementation, so :func:`pin_implementation` makes
 ``foreach`` explicit in every param group before the first step (torch would
 otherwise choose per call from the devices it sees). ``fused=True`` is replayed
@@ -37,6 +40,10 @@ NEEDS_CLOSURE = frozenset({"torch.optim.lbfgs.LBFGS"})
 shadow has no model or data to evaluate)."""
 SPARSE_ONLY = frozenset({"torch.optim.sparse_adam.SparseAdam"})
 """torch.optim classes that take only sparse gradients (DDP's buckets are dense)."""
+NOT_ELEMENTWISE = frozenset({"torch.optim.Adafactor", "torch.optim._adafactor.Adafactor"})
+"""torch.optim classes whose per-parameter state is not shaped like the parameter (Adafactor's
+factored ``row_var``/``col_var``): the layout-free checkpoint stores optimizer state element by
+element (docs/checkpoint-format.md), so a checkpoint of them could not be restored."""
 
 
 class OptimizerReplayError(ValueError):
@@ -175,9 +182,33 @@ def check_options(optimizer: torch.optim.Optimizer) -> None:
                 )
 
 
+def check_checkpointable(cls: type[torch.optim.Optimizer]) -> None:
+    """Refuse a class whose state the layout-free checkpoint cannot hold."""
+    name = qualified_name(cls)
+    if name in NOT_ELEMENTWISE:
+        raise OptimizerReplayError(
+            f"optimizer {name}: its state is factored (not shaped like each parameter); Checkmate's "
+            "checkpoint stores optimizer state element by element, so it could not be restored"
+        )
+
+
+def non_elementwise_state(optimizer: torch.optim.Optimizer) -> str | None:
+    """``"<class> state '<key>' of a <shape> parameter has shape <shape>"`` for the first state tensor
+    that is neither 0-d nor shaped like its parameter, or None."""
+    for parameter, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() != parameter.numel():
+                return (
+                    f"{qualified_name(type(optimizer))} state {key!r} of a {list(parameter.shape)} "
+                    f"parameter has shape {list(value.shape)}"
+                )
+    return None
+
+
 def check_replayable(optimizer: torch.optim.Optimizer) -> None:
     """Everything :func:`enable_checkmate` checks about the optimizer (raises, naming the cause)."""
     check_class(type(optimizer))
+    check_checkpointable(type(optimizer))
     check_importable(type(optimizer))
     check_options(optimizer)
 

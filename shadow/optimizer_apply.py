@@ -38,7 +38,6 @@ SUPPORTED_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     name: getattr(torch.optim, name)
     for name in (
         "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop",
-        "Adafactor", "Muon",
     )
     if hasattr(torch.optim, name)
 }  # fmt: skip

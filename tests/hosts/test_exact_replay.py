@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch.nn.utils import clip_grad_norm_  # imported by name before enable_checkmate, on purpose
 
-from checkmate.optimizers import OptimizerReplayError, check_replayable
+from checkmate.optimizers import OptimizerReplayError, check_replayable, non_elementwise_state
 from checkmate.wire import CHECKMATE_UDP_PORT
 from shadow.node import ShadowConfig, ShadowNode
 from shadow.repair import RepairPolicy
@@ -303,6 +303,15 @@ def test_what_the_shadows_cannot_replay_is_refused_naming_the_cause() -> None:
     main = type("MainOpt", (torch.optim.SGD,), {"__module__": "__main__"})
     with pytest.raises(OptimizerReplayError, match="defined in the training script"):
         check_replayable(main(params, lr=0.1))
+    with pytest.raises(OptimizerReplayError, match="Adafactor: its state is factored"):
+        check_replayable(torch.optim.Adafactor(params))
+    # a class whose state is not element-wise is caught at its first step (it has no state before)
+    matrix = torch.nn.Parameter(torch.ones(4, 3))
+    factored = torch.optim.Adafactor([matrix])
+    assert non_elementwise_state(factored) is None
+    matrix.grad = torch.ones(4, 3)
+    factored.step()
+    assert "state 'row_var' of a [4, 3] parameter has shape [4, 1]" in str(non_elementwise_state(factored))
     check_replayable(_LocalOptimizer(params, lr=0.1))  # importable by module + name: replayed
     check_replayable(torch.optim.Adam(params, fused=True))  # fused on CPU: replayed
 

@@ -54,7 +54,6 @@ OPTIMIZERS: dict[str, Callable[[list[dict]], torch.optim.Optimizer]] = {
     "asgd-maximize": lambda g: torch.optim.ASGD(g, lr=1e-2, maximize=True),
     "rprop-etas": lambda g: torch.optim.Rprop(g, lr=1e-2, etas=(0.4, 1.3), step_sizes=(1e-5, 1.0)),
     "rprop-maximize": lambda g: torch.optim.Rprop(g, lr=1e-2, maximize=True),
-    "adafactor": lambda g: torch.optim.Adafactor(g, lr=1e-2, weight_decay=1e-3),
     "sgd-foreach": lambda g: torch.optim.SGD(g, lr=0.05, momentum=0.9, nesterov=True, foreach=True),
     "adam-foreach-amsgrad": lambda g: torch.optim.Adam(g, lr=1e-2, amsgrad=True, foreach=True),
     "rmsprop-foreach": lambda g: torch.optim.RMSprop(g, lr=1e-2, momentum=0.5, centered=True, foreach=True),
