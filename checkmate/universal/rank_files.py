@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,8 @@ def write_rank_file(folder: Path, rank: int, records: Sequence[Record]) -> Path:
     tmp = data.with_name(f".{data.name}.tmp")
 
     save_file(tensors, str(tmp))
+    with tmp.open("rb+") as handle:
+        os.fsync(handle.fileno())
     tmp.replace(data)
     fmt._atomic_write_json(
         folder / f"{stem}.json",

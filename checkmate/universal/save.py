@@ -143,7 +143,9 @@ def save_records(
             job_state=job_state,
         )
         fmt.update_latest(root, step)
-        shutil.rmtree(staging, ignore_errors=True)
+        for leftover in root.glob(".staging-step-*"):  # this step's, and any an earlier crash left
+            if leftover.name <= staging.name:
+                shutil.rmtree(leftover, ignore_errors=True)
     _barrier(timeout)
     return fmt.step_dir(root, step)
 

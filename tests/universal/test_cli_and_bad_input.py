@@ -226,3 +226,28 @@ def test_job_state_travels_through_rank_files(saved: tuple[Path, dict], tmp_path
     back = CheckpointReader(tmp_path / "back")
     assert back.job_state() is not None and back.job_state().equals(job_state)
     assert_atoms_equal(back, atoms)
+
+
+def test_a_tp_sharded_dtensor_whose_rule_disagrees_is_refused_naming_it(tmp_path: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp_path / 'store'}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    try:
+        model = TinyLM(CONFIG, CONFIG.vocab, CONFIG.layers)
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"layers.0.mlp.down": ColwiseParallel()})  # shards dim 0
+        spec, shapes = tiny_spec(CONFIG), logical_shapes(CONFIG)
+        with pytest.raises(
+            LayoutError, match=r"layers\.0\.mlp\.down\.weight: tensor parallelism shards dim 0"
+        ):
+            save_universal(tmp_path / "u", 1, model, None, Layout(), spec, shapes)
+    finally:
+        dist.destroy_process_group()
+    assert fmt.complete_steps(tmp_path / "u") == []
