@@ -224,6 +224,19 @@ def summary_line(answer: ShadowStatus, job_id: int | None = None) -> str:
         parts.append("drops 0")
     if doc.get("blocked"):
         parts.append(f"blocked: {doc['blocked']}")
+    divergence = doc.get("divergence")
+    if isinstance(divergence, Mapping):
+        shown = [str(m) for m in divergence.get("mismatches") or []][:3]
+        parts.append(
+            f"DIVERGED after iteration {divergence.get('iteration', '-')}: "
+            f"{divergence.get('mismatched_tensors', len(shown))} tensors differ from rank 0's "
+            f"({', '.join(shown) or '-'}); certified only through {divergence.get('last_verified', '-')}, "
+            "re-seeding"
+        )
+    elif doc.get("divergences"):
+        last = doc.get("last_divergence")
+        when = last.get("iteration", "-") if isinstance(last, Mapping) else "-"
+        parts.append(f"divergences {doc['divergences']} (last after iteration {when}; re-seeded)")
     served = doc.get("job_id")
     if job_id is not None and served is not None and served != job_id:
         parts.append(f"serves job {served}, not {job_id}")

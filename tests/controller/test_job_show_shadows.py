@@ -289,3 +289,22 @@ def test_a_status_with_odd_fields_still_makes_one_line(fakes: Callable[..., Fake
         f"sh1 {fake.where}: stalled  certified -  applied -  lag -  received - packets / - bytes  "
         "repairs 0 requests / 0 elements  drops 0  blocked: no commit for 12  serves job 9, not 7"
     )
+
+
+def test_a_diverged_shadow_says_so_in_its_line() -> None:
+    divergence = {
+        "iteration": 12,
+        "last_verified": 10,
+        "mismatched_tensors": 4,
+        "mismatches": ["head.weight::param", "head.weight::momentum_buffer", "head.bias::param", "x::param"],
+    }
+    status = {**STATUS, "state": "diverged", "divergence": divergence, "divergences": 1}
+    line = summary_line(ShadowStatus("sh1", "127.0.0.2:1", status=status))
+    assert "sh1 127.0.0.2:1: diverged  certified 40" in line
+    assert line.endswith(
+        "DIVERGED after iteration 12: 4 tensors differ from rank 0's (head.weight::param, "
+        "head.weight::momentum_buffer, head.bias::param); certified only through 10, re-seeding"
+    )
+    healed = {**STATUS, "divergence": None, "divergences": 2, "last_divergence": divergence}
+    line = summary_line(ShadowStatus("sh1", "127.0.0.2:1", status=healed))
+    assert line.endswith("divergences 2 (last after iteration 12; re-seeded)")
