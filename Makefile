@@ -65,6 +65,7 @@ demo: setup
 	  echo "make demo: needs root (network namespaces, veth pairs and a software switch in Mininet): sudo make demo"; \
 	  exit 1; \
 	fi
+	@if command -v p4c >/dev/null 2>&1; then $(MAKE) --no-print-directory p4; fi
 	$(PY) -m topologies.demo $(DEMO_ARGS)
 
 p4:
