@@ -83,7 +83,8 @@ def delete_multicast_groups(connection: SwitchConnection) -> int:
 
     BMv2 (simple_switch_grpc 1.15.5 with PI) keeps the replicas of the groups that
     existed before a SetForwardingPipelineConfig in its data plane, while reads say
-    the groups are gone: after N pushes a replicated frame came out N+1 times. So
+    the groups are gone: each push made while a group existed left one more copy
+    of it once the group was installed again (5 copies of a frame after 4 such pushes). So
     every push is preceded by this (docs/controller.md). A switch that runs no
     pipeline yet (a fresh process) has no groups: 0. ControllerError if the
     switch refuses a delete for any reason other than the group being gone already.
