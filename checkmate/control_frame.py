@@ -262,7 +262,9 @@ def session_for(sock: socket.socket) -> ControlSession:
     with _sessions_lock:
         session = _sessions.get(sock)
     if session is None:
-        session = bind(sock, process_auth())
+        fresh = process_auth().session()
+        with _sessions_lock:  # a reader and a writer thread may race to make the first session
+            session = _sessions.setdefault(sock, fresh)
     return session
 
 
