@@ -6,6 +6,7 @@
     checkmate-ctl --network topologies/single.json job show 7 [--json] [--shadow-timeout 2] [--no-shadows]
     checkmate-ctl --network topologies/single.json shadow move --job 7 --shard 1 --to sh1
     checkmate-ctl --network topologies/single.json job remove 7
+    checkmate-ctl plan --model-params 70e9 --optimizer adamw --iteration-time 10 --dp 128 --tp 8
 
 Commands that change switches first reconcile them with the registry (the
 controller's "start"), unless ``--no-reconcile`` is given. Errors print one
@@ -24,6 +25,8 @@ from pathlib import Path
 
 from checkmate.job import JobSpec, JobSpecError
 from checkmate.network import Network, NetworkError
+from checkmate.tls import TlsFiles
+from controller.capacity import add_plan_parser, run_plan
 from controller.controller import Controller
 from controller.errors import ControllerError
 from controller.job_secrets import JobSecrets
@@ -153,6 +156,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-reconcile",
         action="store_true",
         help="do not reconcile the switches with the registry before changing them",
+    )
+    parser.add_argument(
+        "--tls-ca",
+        type=Path,
+        default=os.environ.get("CHECKMATE_P4RT_CA"),
+        help="P4Runtime over TLS: the CA that signs the switches' certificates (default $CHECKMATE_P4RT_CA; "
+        "none: plaintext, the tutorial workflow)",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        type=Path,
+        default=os.environ.get("CHECKMATE_P4RT_CERT"),
+        help="this controller's certificate, for switches that require client certificates (mutual TLS)",
+    )
+    parser.add_argument(
+        "--tls-key", type=Path, default=os.environ.get("CHECKMATE_P4RT_KEY"), help="its private key"
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv: debug)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -286,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     move.add_argument("--shard", type=int, required=True, help="shard key")
     move.add_argument("--to", required=True, help="the shadow host that gets the shard")
 
+    add_plan_parser(commands)
     commands.add_parser(
         "reconcile",
         help="make every switch match the registry and network",
@@ -323,6 +343,8 @@ def _print_job_line(record_spec: JobSpec, slot: int) -> None:
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.command == "plan":
+        return run_plan(args, PROG)
     state_dir = args.state_dir if args.state_dir is not None else default_state_dir()
     if args.command == "job" and args.action == "list":
         with Registry(state_dir) as registry:
@@ -346,7 +368,12 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--network FILE is required for this command (or set $CHECKMATE_NETWORK)")
     network = Network.load(args.network)
     spec = _job_spec(args, parser) if args.command == "job" and args.action == "add" else None
-    with Controller(network, state_dir, args.election_id, args.timeout, args.max_groups) as ctl:
+    tls = None
+    if args.tls_ca is not None:
+        tls = TlsFiles(args.tls_ca, args.tls_cert, args.tls_key)
+    elif args.tls_cert is not None or args.tls_key is not None:
+        parser.error("--tls-cert/--tls-key need --tls-ca")
+    with Controller(network, state_dir, args.election_id, args.timeout, args.max_groups, tls) as ctl:
         if args.command == "pipeline":
             if (args.tofino_bin is None) != (args.tofino_context is None):
                 parser.error("pipeline push: --tofino-bin and --tofino-context go together")
