@@ -101,6 +101,15 @@ def check_files(files: TlsFiles) -> None:
         raise TlsConfigError(f"key {files.key} does not belong to certificate {files.cert}")
 
 
+def server_args(files: TlsFiles, client_auth: bool = True) -> list[str]:
+    """The gRPC server options (after ``--``) of ``simple_switch_grpc`` and ``checkmate-switch``."""
+    if files.cert is None or files.key is None:
+        raise TlsConfigError("a switch serving TLS needs its certificate and key")
+    argv = ["--grpc-server-ssl", "--grpc-server-cacert", str(files.ca)]
+    argv += ["--grpc-server-cert", str(files.cert), "--grpc-server-key", str(files.key)]
+    return argv + (["--grpc-server-with-client-auth"] if client_auth else [])
+
+
 # ---- a test CA ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PkiFiles:

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from checkmate.tls import PkiFiles, TlsConfigError, TlsFiles, check_files, make_test_pki
+from checkmate.tls import PkiFiles, TlsConfigError, TlsFiles, check_files, make_test_pki, server_args
 from controller.errors import ControllerError, SwitchUnreachableError
 from controller.switch_connection import SwitchConnection
 from embedded_switch import program
 from embedded_switch.cli import parse_config
 from embedded_switch.p4runtime_server import P4RuntimeServer
+from topologies.targets import SwitchConfig
 
 DEVICE = 1
 
@@ -87,10 +88,20 @@ def test_expired_and_mismatched_files_are_named(tmp_path: Path, pki: PkiFiles) -
 
 def test_checkmate_switch_takes_simple_switch_grpc_tls_options(tmp_path: Path, pki: PkiFiles) -> None:
     base = ["--no-p4", "--", "--grpc-server-addr", "127.0.0.1:0"]
-    config = parse_config(
-        [*base, "--grpc-server-ssl", "--grpc-server-cacert", str(pki.ca), "--grpc-server-cert",
-         str(pki.server_cert), "--grpc-server-key", str(pki.server_key), "--grpc-server-with-client-auth"]
-    )  # fmt: skip
+    switch = SwitchConfig(
+        "s1",
+        1,
+        "127.0.0.1:0",
+        grpc_args=tuple(server_args(TlsFiles(pki.ca, pki.server_cert, pki.server_key))),
+    )
+    argv = switch.command(
+        "checkmate-switch"
+    )  # the command line both targets get (simple_switch_grpc's flags)
+    assert argv[argv.index("--") + 1 :][-8:] == [
+        "--grpc-server-ssl", "--grpc-server-cacert", str(pki.ca), "--grpc-server-cert", str(pki.server_cert),
+        "--grpc-server-key", str(pki.server_key), "--grpc-server-with-client-auth",
+    ]  # fmt: skip
+    config = parse_config([*base, *argv[argv.index("--") + 1 :][-8:]])
     assert config.tls == TlsFiles(pki.ca, pki.server_cert, pki.server_key) and config.client_auth
     assert parse_config(base).tls is None  # plaintext unless asked
     expired = make_test_pki(
