@@ -32,6 +32,9 @@ from tests.hosts.harness import run_ranks
 
 JOB_ID = 33
 STEPS = 8
+NET = f"127.{os.getpid() % 200 + 20}.{os.getpid() // 200 % 250}"
+"""This test process's own loopback /24 (shadows .70/.71, workers .80+): suites that run at
+the same time (other test files, other checkouts) never share an address."""
 
 
 class Net(torch.nn.Module):
@@ -82,7 +85,7 @@ def _train(
         RANK=str(rank),
         WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
-        CHECKMATE_BIND=f"127.0.0.{80 + rank}",
+        CHECKMATE_BIND=f"{env['TEST_NET']}.{80 + rank}",
     )
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -92,7 +95,10 @@ def _train(
     ddp = DDP(model, bucket_cap_mb=0.002, find_unused_parameters=scenario.get("unused", False))
     opt = _optimizer(scenario.get("optimizer", "sgd"), ddp.module)
     config = dataclasses.replace(
-        CheckmateConfig.from_env(), keep_iterations=64, fingerprint_every=scenario.get("every", 1)
+        CheckmateConfig.from_env(),
+        keep_iterations=64,
+        fingerprint_every=scenario.get("every", 1),
+        compress=scenario.get("compress"),
     )
     agent = hosts.enable_checkmate(ddp, opt, config)
     # A scale that overflows at once (inf/NaN: a skipped step), then backs off far enough to train.
@@ -150,8 +156,8 @@ def _shadows() -> list[ShadowNode]:
     for i in range(2):
         config = ShadowConfig(
             name=f"s{i}",
-            control_bind=(f"127.0.0.{70 + i}", 0),
-            data_bind=(f"127.0.0.{70 + i}", CHECKMATE_UDP_PORT),  # where host replication sends copies
+            control_bind=(f"{NET}.{70 + i}", 0),
+            data_bind=(f"{NET}.{70 + i}", CHECKMATE_UDP_PORT),  # where host replication sends copies
             repair=RepairPolicy(grace=0.05, timeout=0.2),
         )
         nodes.append(ShadowNode(config).start())
@@ -165,6 +171,7 @@ def run_scenario(scenario: dict[str, Any]) -> tuple[dict[str, Any], list[ShadowN
     env = {
         "CHECKMATE_JOB_ID": str(JOB_ID),
         "CHECKMATE_REPLICATION": "host",
+        "TEST_NET": NET,
         "CHECKMATE_SHADOWS": ",".join(
             f"{n.name}={n.control_address[0]}:{n.control_address[1]}" for n in nodes
         ),
@@ -256,6 +263,39 @@ def test_a_bf16_model_has_bf16_buckets_replayed_exactly() -> None:
     assert all(v.dtype == torch.bfloat16 for v in r0["params"].values())
 
 
+def test_bf16_compressed_buckets_of_an_fp32_model_are_replayed_exactly() -> None:
+    r0 = _exact({"optimizer": "adam-fused", "compress": "bf16"})
+    assert all(v.dtype == torch.float32 for v in r0["params"].values())
+
+
+def _hook_first(rank: int, world: int, store: str) -> str:
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hosts
+    from hosts.ddp import CheckmateConfigError
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    ddp = DDP(Net())
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)  # bf16 needs NCCL
+    try:
+        hosts.enable_checkmate(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1))
+        return "nothing raised"
+    except CheckmateConfigError as exc:
+        return str(exc)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddps_own_compression_hook_is_refused_pointing_at_checkmate_compress() -> None:
+    store = f"{tempfile.mkdtemp(prefix='hook-')}/store"
+    for message in run_ranks(_hook_first, 2, store, timeout=60):
+        assert "already has a communication hook (fp16_compress_hook)" in message, message
+        assert "CHECKMATE_COMPRESS=bf16" in message
+
+
 def test_a_gradient_changed_behind_the_shadows_back_is_caught_and_the_shadow_reseeded() -> None:
     every = 2
     r0, nodes = run_scenario({"optimizer": "sgd", "tamper": 2, "every": every})
@@ -316,7 +356,7 @@ def test_what_the_shadows_cannot_replay_is_refused_naming_the_cause() -> None:
     check_replayable(torch.optim.Adam(params, fused=True))  # fused on CPU: replayed
 
 
-def _changes_mid_run(rank: int, world: int, store: str, change: str) -> str:
+def _changes_mid_run(rank: int, world: int, store: str, change: str, net: str) -> str:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -328,7 +368,7 @@ def _changes_mid_run(rank: int, world: int, store: str, change: str) -> str:
         WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
         CHECKMATE_JOB_ID="34",
-        CHECKMATE_BIND=f"127.0.0.{84 + rank}",
+        CHECKMATE_BIND=f"{net}.{84 + rank}",
     )
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -366,5 +406,5 @@ def _changes_mid_run(rank: int, world: int, store: str, change: str) -> str:
 )
 def test_a_change_mid_run_is_a_clear_error_where_it_happens(change: str, expected: str) -> None:
     store = f"{tempfile.mkdtemp(prefix='change-')}/store"
-    for message in run_ranks(_changes_mid_run, 2, store, change, timeout=60):
+    for message in run_ranks(_changes_mid_run, 2, store, change, NET, timeout=60):
         assert expected in message, message
