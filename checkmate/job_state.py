@@ -56,7 +56,7 @@ class JobStateError(ValueError):
     """A job state that cannot be captured, sent, stored or loaded; the message names the object."""
 
 
-@dataclass
+@dataclass(eq=False)
 class JobState:
     """The encoded job state: ``document`` (JSON) with ``{"__tensor__": key}`` references into ``tensors``.
 
@@ -71,6 +71,11 @@ class JobState:
     def nbytes(self) -> int:
         text = json.dumps(self.document, separators=(",", ":"), allow_nan=False)
         return len(text.encode()) + sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, JobState) and self.equals(other)
+
+    __hash__ = None  # type: ignore[assignment]
 
     def equals(self, other: JobState | None) -> bool:
         """Same document and bit-identical tensors."""
@@ -266,6 +271,19 @@ def capture(
             f"the job state is {size} bytes, more than the {limit} bytes a commit record may carry{biggest}"
         )
     return state
+
+
+def merge(early: JobState, late: JobState, order: Mapping[str, Any] | None = None) -> JobState:
+    """One job state from two captures of disjoint parts (stateful objects in ``order``'s order)."""
+    stateful = {**early.document.get("stateful", {}), **late.document.get("stateful", {})}
+    if order is not None:
+        stateful = {name: stateful[name] for name in order if name in stateful}
+    document = {
+        "buffers": {**early.document.get("buffers", {}), **late.document.get("buffers", {})},
+        "stateful": stateful,
+        "param_groups": late.document.get("param_groups") or early.document.get("param_groups", []),
+    }
+    return JobState(document, {**early.tensors, **late.tensors})
 
 
 def load_stateful(objects: Mapping[str, Any], state: JobState) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from checkmate.job import JobSpec, JobSpecError
 from checkmate.network import Network
+from checkmate.tls import TlsFiles
 from controller.batch import apply_change, batches_for
 from controller.counters import JOB_COUNTERS, CounterValue, read_counters
 from controller.entities import (
@@ -77,8 +78,11 @@ class Controller:
         election_id: int = 1,
         timeout: float = DEFAULT_TIMEOUT_S,
         max_groups: int | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.network = network
+        self.tls = tls
+        """P4Runtime over TLS to every switch (None: plaintext, the tutorial workflow)."""
         self.election_id = election_id
         self.timeout = timeout
         self.max_groups = max_groups
@@ -109,7 +113,7 @@ class Controller:
         if switch not in self._connections:
             spec = self.network.switch(switch)
             self._connections[switch] = SwitchConnection(
-                switch, spec.grpc, spec.device_id, self.election_id, self.timeout
+                switch, spec.grpc, spec.device_id, self.election_id, self.timeout, self.tls
             )
         return self._connections[switch]
 

@@ -19,8 +19,9 @@ import grpc
 from google.rpc import code_pb2, status_pb2
 from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2
-from p4runtime_sh.p4runtime import P4RuntimeClient
+from p4runtime_sh.p4runtime import P4RuntimeClient, SSLOptions
 
+from checkmate.tls import TlsConfigError, TlsFiles, check_files
 from controller.errors import (
     ControllerError,
     NoPipelineError,
@@ -47,19 +48,44 @@ def _code_name(code: int) -> str:
 class _Client(P4RuntimeClient):
     """p4runtime-shell's client with a bounded connect and a handshake that raises."""
 
-    def __init__(self, switch: str, device_id: int, address: str, election_id: int, timeout: float) -> None:
+    def __init__(
+        self,
+        switch: str,
+        device_id: int,
+        address: str,
+        election_id: int,
+        timeout: float,
+        tls: TlsFiles | None = None,
+    ) -> None:
         self._switch = switch
         self._address = address
         self._timeout = timeout
+        self._tls = tls
         self.is_primary = False
         self.primary_election_id: tuple[int, int] | None = None
-        super().__init__(device_id, address, (0, election_id))
+        ssl = None
+        if tls is not None:
+            ssl = SSLOptions(
+                False,
+                str(tls.ca),
+                None if tls.cert is None else str(tls.cert),
+                None if tls.key is None else str(tls.key),
+            )
+        super().__init__(device_id, address, (0, election_id), ssl_options=ssl)
 
     def set_up_stream(self) -> None:
         try:
             grpc.channel_ready_future(self.channel).result(timeout=self._timeout)
         except grpc.FutureTimeoutError:
             self.channel.close()
+            if self._tls is not None:
+                raise SwitchUnreachableError(
+                    f"switch {self._switch} ({self._address}, device {self.device_id}): no TLS session "
+                    f"within {self._timeout:g} s: the handshake failed or nobody answers (is the switch "
+                    "serving TLS; "
+                    f"is its certificate signed by {self._tls.ca}, unexpired and naming {self._address}; "
+                    "does it take this controller's certificate?)"
+                ) from None
             raise SwitchUnreachableError(
                 f"switch {self._switch} ({self._address}, device {self.device_id}) is unreachable: "
                 f"no P4Runtime server answered within {self._timeout:g} s"
@@ -121,13 +147,26 @@ class SwitchConnection:
         device_id: int,
         election_id: int = 1,
         timeout: float = DEFAULT_TIMEOUT_S,
+        tls: TlsFiles | None = None,
     ) -> None:
+        """``tls``: P4Runtime over TLS (``tls.cert``/``tls.key``: mutual TLS); None: plaintext."""
         self.name = name
         self.address = address
         self.device_id = device_id
         self.election_id = election_id
         self.timeout = timeout
-        self._client = _Client(name, device_id, address, election_id, timeout)
+        if tls is not None:
+            try:
+                check_files(tls)
+            except TlsConfigError as exc:
+                raise ControllerError(f"switch {name}: {exc}") from None
+        else:
+            logger.info(
+                "switch %s: P4Runtime in plaintext (the tutorial workflow; --tls-ca, --tls-cert and "
+                "--tls-key for TLS)",
+                name,
+            )
+        self._client = _Client(name, device_id, address, election_id, timeout, tls)
         logger.info("switch %s: connected to %s (device %d)", name, address, device_id)
         if not self._client.is_primary:
             logger.warning(

@@ -42,6 +42,7 @@ from types import FrameType
 
 from google.protobuf import text_format
 
+from checkmate.tls import TlsConfigError, TlsFiles, check_files
 from embedded_switch.ports import MAX_PORT, PortBinding, PortError, PortsConfig, SwitchPorts
 from embedded_switch.program import P4INFO_PATH, ProgramMismatchError, build_state, check_program, load_p4info
 
@@ -75,6 +76,9 @@ class SwitchConfig:
     drop_egress: dict[int, float] = field(default_factory=dict)
     drop_seed: int = 0
     profile_path: Path | None = None
+    tls: TlsFiles | None = None
+    """P4Runtime over TLS (--grpc-server-ssl and its files); None: plaintext."""
+    client_auth: bool = False
 
 
 def _port_number(text: str, what: str) -> int:
@@ -160,6 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="fault injection: drop FRACTION of the frames leaving PORT (repeatable)",
     )
     parser.add_argument("--drop-seed", type=int, default=0, help="seed of the fault injection")
+    parser.add_argument("--grpc-server-ssl", action="store_true", help="serve P4Runtime over TLS")
+    parser.add_argument("--grpc-server-cacert", type=Path, help="CA that signs client certificates (PEM)")
+    parser.add_argument("--grpc-server-cert", type=Path, help="this switch's certificate (PEM)")
+    parser.add_argument("--grpc-server-key", type=Path, help="this switch's private key (PEM)")
+    parser.add_argument(
+        "--grpc-server-with-client-auth",
+        action="store_true",
+        help="accept only clients with a certificate signed by --grpc-server-cacert (mutual TLS)",
+    )
     parser.add_argument(
         "--profile", type=Path, metavar="PATH", help="write a cProfile of the I/O thread at exit"
     )
@@ -208,7 +221,24 @@ def parse_config(argv: Sequence[str]) -> SwitchConfig:
         if port not in ports:
             parser.error(f"--drop-egress {port}:{fraction}: port {port} is not bound with -i")
         drop_egress[port] = fraction
+    tls: TlsFiles | None = None
+    if args.grpc_server_ssl:
+        if args.grpc_server_cert is None or args.grpc_server_key is None:
+            parser.error("--grpc-server-ssl needs --grpc-server-cert and --grpc-server-key")
+        if args.grpc_server_with_client_auth and args.grpc_server_cacert is None:
+            parser.error("--grpc-server-with-client-auth needs --grpc-server-cacert")
+        tls = TlsFiles(
+            args.grpc_server_cacert or args.grpc_server_cert, args.grpc_server_cert, args.grpc_server_key
+        )
+        try:
+            check_files(tls)
+        except TlsConfigError as exc:
+            parser.error(str(exc))
+    elif any((args.grpc_server_cacert, args.grpc_server_cert, args.grpc_server_key)):
+        parser.error("--grpc-server-cacert/-cert/-key need --grpc-server-ssl")
     return SwitchConfig(
+        tls=tls,
+        client_auth=args.grpc_server_with_client_auth,
         bindings=tuple(bindings),
         p4info=p4info,
         device_id=args.device_id,
@@ -266,6 +296,8 @@ def run(config: SwitchConfig, stop: threading.Event) -> int:
         cpu_port=config.cpu_port,
         on_pipeline=ports.set_state,
         on_packet_out=ports.inject,
+        tls=config.tls,
+        client_auth=config.client_auth,
     )
     ports.on_packet_in = server.send_packet_in
     if info is not None:

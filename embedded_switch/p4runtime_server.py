@@ -60,6 +60,7 @@ from google.rpc import code_pb2, status_pb2
 from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2
 
+from checkmate.tls import TlsConfigError, TlsFiles
 from embedded_switch import program
 from embedded_switch.state import ActionCall, FieldMatch, MatchKind, Replica, SwitchState, TableEntry
 
@@ -635,7 +636,14 @@ class P4RuntimeServer:
         cpu_port: int | None = None,
         on_pipeline: Callable[[SwitchState], None] | None = None,
         on_packet_out: Callable[[bytes, int], None] | None = None,
+        tls: TlsFiles | None = None,
+        client_auth: bool = False,
     ) -> None:
+        """``tls``: serve P4Runtime over TLS with ``tls.cert``/``tls.key``; ``client_auth``: accept only
+        clients whose certificate ``tls.ca`` signed (mutual TLS). None: plaintext (tutorial workflow)."""
+        if tls is not None and (tls.cert is None or tls.key is None):
+            raise TlsConfigError("a TLS P4Runtime server needs its certificate and key")
+        self._tls = (tls.read(), client_auth) if tls is not None else None
         self.device_id = device_id
         self.address = address
         self.cpu_port = cpu_port
@@ -666,7 +674,17 @@ class P4RuntimeServer:
         )
         server.add_generic_rpc_handlers((self._handlers(),))
         try:
-            port = server.add_insecure_port(self.address)
+            if self._tls is not None:
+                (ca, cert, key), client_auth = self._tls
+                assert cert is not None and key is not None
+                credentials = grpc.ssl_server_credentials(
+                    [(key, cert)],
+                    root_certificates=ca if client_auth else None,
+                    require_client_auth=client_auth,
+                )
+                port = server.add_secure_port(self.address, credentials)
+            else:
+                port = server.add_insecure_port(self.address)
         except RuntimeError as e:
             raise OSError(f"P4Runtime server cannot bind {self.address}: {e}") from None
         if port == 0:
@@ -674,7 +692,13 @@ class P4RuntimeServer:
         server.start()
         self._server = server
         logger.info(
-            "P4Runtime server for device %d listening on %s (port %d)", self.device_id, self.address, port
+            "P4Runtime server for device %d listening on %s (port %d), %s",
+            self.device_id,
+            self.address,
+            port,
+            "plaintext (tutorial workflow: anyone who reaches the port can program the switch)"
+            if self._tls is None
+            else "TLS" + (" with client certificates (mutual TLS)" if self._tls[1] else ""),
         )
         return int(port)
 

@@ -67,11 +67,15 @@ from checkmate.control import (
     Message,
     ParamSlice,
     ParamSpec,
+    attach_job_state,
     dtype_name,
     validate_data_position,
 )
 from checkmate.fingerprint import fingerprint as state_fingerprint
 from checkmate.job import JobSpec
+from checkmate.job_state import JobState, JobStateError
+from checkmate.job_state import capture as capture_job_state
+from checkmate.job_state import merge as merge_job_states
 from checkmate.optimizers import check_replayable, describe, non_elementwise_state, pin_implementation
 from checkmate.wire import CHECKMATE_UDP_PORT
 from hosts.control_channel import ControlChannel, ControlConfig
@@ -375,6 +379,25 @@ def clip_grad_norm_(
     return _ORIGINAL_CLIP(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
+# ---- the job state's late part -----------------------------------------------------------
+LATE_STATEFUL = (
+    torch.optim.lr_scheduler.LRScheduler,
+    torch.optim.lr_scheduler.ReduceLROnPlateau,
+    torch.amp.GradScaler,
+)
+"""Stateful objects a loop steps after ``optimizer.step()``: their state is taken at the next forward."""
+_ORIGINAL_SCALER_UPDATE = torch.amp.grad_scaler.GradScaler.update
+
+
+def _update_and_commit_skips(scaler: torch.amp.GradScaler, new_scale: Any = None) -> None:
+    """GradScaler.update, then: an iteration all-reduced without an optimizer step was skipped."""
+    _ORIGINAL_SCALER_UPDATE(scaler, new_scale)
+    with _AGENTS_LOCK:
+        agents = list(_AGENTS)
+    for agent in agents:
+        agent._after_scaler_update()
+
+
 # ---- the agent --------------------------------------------------------------------------
 def _plain(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
@@ -402,6 +425,7 @@ class CheckmateAgent:
         config: CheckmateConfig,
         *,
         data_position: Any = None,
+        stateful: Mapping[str, Any] | None = None,
     ) -> None:
         initial_position = None if data_position is None else validate_data_position(data_position)
         self.model = ddp_model
@@ -420,6 +444,20 @@ class CheckmateAgent:
             )
         check_replayable(optimizer)
         pin_implementation(optimizer)
+        self.stateful: dict[str, Any] = dict(stateful or {})
+        """The job's Stateful objects by name; their state travels with every commit."""
+        self._job_state: tuple[int, JobState] | None = None
+        """(i, the job state before iteration i), captured at i's first forward pass."""
+        try:  # fail fast, on every rank: an object whose state cannot travel is refused here
+            self._job_state = (config.start_iteration, self._capture_job_state())
+        except JobStateError as exc:
+            raise CheckmateConfigError(str(exc)) from None
+        self._pending_commit: Commit | None = None
+        self._early: tuple[int, JobState] | None = None
+        """(t, iteration t's early job state: buffers, stateful objects stepped before the step)."""
+        self._sent_job_state: JobState | None = None
+        """The job state last sent in a commit or job_start (a commit whose state equals it omits it)."""
+        """Rank 0: the last step's commit, sent at the next forward pass (when the job state is final)."""
         self.names: dict[int, str] = {id(p): n for n, p in module.named_parameters()}
         self._param_ids = set(self.names)
         workers = self._rendezvous(config)
@@ -479,9 +517,11 @@ class CheckmateAgent:
         self._structure = self._structure_now()
         self._pre_step_handle = optimizer.register_step_pre_hook(self._before_step)
         self._guard_add_param_group()
+        self._forward_handle = ddp_model.register_forward_pre_hook(self._before_forward)
         with _AGENTS_LOCK:
             _AGENTS.append(self)
             _install_patches()
+            torch.amp.grad_scaler.GradScaler.update = _update_and_commit_skips  # type: ignore[method-assign]
         logger.info(
             "checkmate: job %d rank %d/%d on %s:%d, ring %s",
             config.job_id,
@@ -537,7 +577,7 @@ class CheckmateAgent:
                 else:
                     scalars.setdefault(name, {})[key] = value
         self._last_hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        return JobStart(
+        start = JobStart(
             job_id=self.config.job_id,
             world_size=self.config.world_size,
             workers=list(self.workers),
@@ -549,6 +589,74 @@ class CheckmateAgent:
             job=self._job_description(),
             extra={} if self._committed_position is None else {"data_position": self._committed_position},
         )
+        self._sent_job_state = self._job_state_before(start_iteration)
+        return attach_job_state(start, self._sent_job_state)
+
+    # ---- the job state: buffers, stateful objects, param groups -----------------------
+    # Two moments: at the optimizer step (or a GradScaler's skip) the iteration's *early* part
+    # is final: persistent buffers (the forward passes are done) and the stateful objects a loop
+    # advances before the step (data loaders, samplers, cursors, RNG wrappers). The *late* part -
+    # LR schedulers and GradScalers, which step after the optimizer, and the param groups they
+    # change - is final at the next forward pass (or wait_certified/close): the commit goes then.
+    def _late(self, name: str) -> bool:
+        return isinstance(self.stateful[name], LATE_STATEFUL)
+
+    def _capture_job_state(self) -> JobState:
+        return capture_job_state(self.model.module, self.stateful, self.optimizer)
+
+    def _capture_early(self) -> JobState:
+        early = {n: obj for n, obj in self.stateful.items() if not self._late(n)}
+        return capture_job_state(self.model.module, early)
+
+    def _job_state_before(self, iteration: int) -> JobState:
+        """The job state before ``iteration``: iteration - 1's early part with the late part now."""
+        if self._job_state is None or self._job_state[0] != iteration:
+            early = self._early[1] if self._early is not None and self._early[0] == iteration - 1 else None
+            late = {n: obj for n, obj in self.stateful.items() if self._late(n)}
+            if early is None:
+                state = self._capture_job_state()
+            else:
+                state = merge_job_states(early, capture_job_state(None, late, self.optimizer), self.stateful)
+            self._job_state = (iteration, state)
+        return self._job_state[1]
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        """Forward pre-hook: the previous iteration is over; send its commit with its job state.
+
+        Only forward passes with gradients enabled count (not evaluation under
+        ``torch.no_grad()``). An all-reduced iteration still waiting for its step has its
+        early part taken here (a step skipped without a GradScaler is found only at the
+        next all-reduce, when this forward pass has changed the buffers). Raises
+        JobStateError naming a stateful object whose state cannot travel; nothing is
+        sent then, and the shadows keep the last certified state.
+        """
+        if self.channel is None or not torch.is_grad_enabled():
+            return
+        if self._uncommitted is not None and (self._early is None or self._early[0] != self._uncommitted):
+            self._early = (self._uncommitted, self._capture_early())
+        self._flush_commit()
+        self._seed_new_shadows()
+
+    def _after_scaler_update(self) -> None:
+        """A GradScaler's update(): an all-reduced iteration without an optimizer step was skipped."""
+        if self._uncommitted is not None:
+            self._commit(self._uncommitted, skipped=True)
+
+    def _flush_commit(self) -> None:
+        """Send the pending commit with the job state after its iteration, then state for new shadows."""
+        commit, self._pending_commit = self._pending_commit, None
+        if commit is None or self.channel is None:
+            return
+        state = self._job_state_before(commit.iteration + 1)
+        if not state.equals(self._sent_job_state):  # unchanged: absent on the wire
+            commit.job_state = self._sent_job_state = state
+        self.channel.post(commit)
+        self._seed_new_shadows()
+
+    def _seed_new_shadows(self) -> None:
+        """Links that need state (new or reconnected shadows) get the state before :attr:`iteration`."""
+        if self.channel is not None and self.channel.needs_state():
+            self.channel.post_state(lambda: self._state_messages(self.iteration))
 
     def _job_description(self) -> dict[str, Any] | None:
         """The JobSpec, or without one the implicit shard map: shard key k -> k-th shadow listed."""
@@ -571,7 +679,7 @@ class CheckmateAgent:
         wire = COMPRESSION[self.config.compress]
         reduced = buffer.to(wire) if wire is not None and buffer.dtype is torch.float32 else buffer
         if not self._bucket_layout and self._uncommitted is not None:
-            self._commit(self._uncommitted, skipped=True)
+            self._commit(self._uncommitted, skipped=True, capture=False)
         offset = 0
         slices = []
         for p in bucket.parameters():
@@ -710,8 +818,6 @@ class CheckmateAgent:
         self._commit(iteration, skipped=False)
         if self.rank == 0:
             self._follow_job_file()
-        if self.channel is not None and self.channel.needs_state():
-            self.channel.post_state(lambda: self._state_messages(iteration + 1))
         self.ring.release_through(iteration - self.config.keep_iterations)
 
     def _follow_job_file(self) -> None:
@@ -748,6 +854,14 @@ class CheckmateAgent:
                 )
                 self.channel.wait_connected(self.config.shadow_connect_timeout)
         else:
+            # The shadows leaving get the last step's commit now (its schedulers' state as it is);
+            # the new ones get the state before the next iteration at its forward pass.
+            pending, self._pending_commit = self._pending_commit, None
+            if pending is not None:
+                pending.job_state = self._job_state_before(pending.iteration + 1)
+                self._sent_job_state = pending.job_state
+                self._job_state = None  # taken early: the new shadows' state is taken again
+                self.channel.post(pending)
             added, removed = self.channel.set_shadows(shadows)
             # Like at start: give new shadows a moment to connect, so they get this step's state.
             self.channel.wait_connected(self.config.shadow_connect_timeout, names=added)
@@ -809,8 +923,13 @@ class CheckmateAgent:
             out.append(entry)
         return None, out
 
-    def _commit(self, iteration: int, skipped: bool) -> None:
+    def _commit(self, iteration: int, skipped: bool, capture: bool = True) -> None:
+        """Commit ``iteration``; ``capture``: its early job state is final now (else taken earlier)."""
+        self._flush_commit()
         self._uncommitted = None
+        if self.rank == 0 and self.channel is not None:
+            if capture or self._early is None or self._early[0] != iteration:
+                self._early = (iteration, self._capture_early())
         coefficient, scaling = self._gradient_scaling()
         no_grad, self._no_grad = self._no_grad, []
         position, self._data_position = self._data_position, None
@@ -840,7 +959,9 @@ class CheckmateAgent:
         )
         self.commits.append(commit)
         if self.channel is not None:
-            self.channel.post(commit)
+            # Sent with the job state after the iteration at the next forward pass, wait_certified
+            # or close, when the schedulers and scalers have stepped.
+            self._pending_commit = commit
 
     def _fingerprint(self, iteration: int) -> dict[str, dict[str, Any]] | None:
         """Rank 0's state after ``iteration`` (every K-th iteration), for the shadows to compare."""
@@ -886,10 +1007,14 @@ class CheckmateAgent:
     def wait_certified(self, iteration: int, timeout: float) -> bool:
         """On rank 0: wait (at most ``timeout``) until every shadow has certified ``iteration``.
 
-        Other ranks have no control channel and return True at once.
+        Other ranks have no control channel and return True at once. The last step's
+        commit is sent now if the next forward pass has not sent it yet, with the LR
+        schedulers' and GradScalers' state as it is now: call this after
+        ``scheduler.step()`` / ``scaler.update()``.
         """
         if self.channel is None:
             return True
+        self._flush_commit()
         return self.channel.wait_certified(iteration, timeout)
 
     # ---- teardown -------------------------------------------------------------------
@@ -905,15 +1030,18 @@ class CheckmateAgent:
         Collective: every rank must call it (it ends with a barrier on the default group).
         """
         if self._uncommitted is not None:
-            self._commit(self._uncommitted, skipped=True)
+            self._commit(self._uncommitted, skipped=True, capture=False)
+        self._flush_commit()
         self._step_handle.remove()
         self._pre_step_handle.remove()
         vars(self.optimizer).pop("add_param_group", None)  # the class's method again
+        self._forward_handle.remove()
         with _AGENTS_LOCK:
             if self in _AGENTS:
                 _AGENTS.remove(self)
             if not _AGENTS:
                 _remove_patches()
+                torch.amp.grad_scaler.GradScaler.update = _ORIGINAL_SCALER_UPDATE  # type: ignore[method-assign]
         if self.channel is not None:
             self._final_state_to_rejoining_shadows(self.channel, timeout)
             self.channel.flush(timeout)
@@ -936,6 +1064,8 @@ def enable_checkmate(
     start_iteration: int | None = None,
     optimizer_step: int | None = None,
     data_position: Any = None,
+    stateful: Mapping[str, Any] | None = None,
+    resume: Any = None,
 ) -> CheckmateAgent:
     """The one line to add to a DDP script (after ``init_process_group`` and the optimizer).
 
@@ -944,7 +1074,21 @@ def enable_checkmate(
     ``CHECKMATE_START_ITERATION`` / ``CHECKMATE_OPTIMIZER_STEP``. ``data_position`` is
     where the data of iteration ``start_iteration`` begins (the position of the state
     the shadows are first given; see :meth:`CheckmateAgent.set_data_position`).
+
+    ``stateful`` names the job's objects with ``state_dict()``/``load_state_dict()``
+    (``torch.distributed.checkpoint.stateful.Stateful``: LR schedulers, a GradScaler,
+    a sampler, ...); with the model's persistent buffers and the param groups'
+    hyperparameters their state after every iteration travels with its commit and
+    is in every checkpoint (captured at the next forward pass, so after
+    ``scheduler.step()``). One whose state cannot travel raises CheckmateConfigError
+    here, naming it. ``resume`` is what :func:`hosts.resume` returned: the job
+    continues at its iteration, optimizer step and data position.
     """
+    if resume is not None:
+        start_iteration = resume.iteration if start_iteration is None else start_iteration
+        optimizer_step = resume.optimizer_step if optimizer_step is None else optimizer_step
+        if data_position is None:
+            data_position = resume.data_position
     config = config or CheckmateConfig.from_env()
     if start_iteration is not None or optimizer_step is not None:
         config = dataclasses.replace(
@@ -952,4 +1096,4 @@ def enable_checkmate(
             start_iteration=config.start_iteration if start_iteration is None else start_iteration,
             optimizer_step=config.optimizer_step if optimizer_step is None else optimizer_step,
         )
-    return CheckmateAgent(ddp_model, optimizer, config, data_position=data_position)
+    return CheckmateAgent(ddp_model, optimizer, config, data_position=data_position, stateful=stateful)

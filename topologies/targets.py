@@ -98,6 +98,9 @@ class SwitchConfig:
     extra_args: tuple[str, ...] = ()
     """Target options passed through unchanged (``checkmate-net up --switch-args``), placed before
     the ``--``: e.g. checkmate-switch's ``--drop-egress 1:0.01 --drop-seed 7``."""
+    grpc_args: tuple[str, ...] = ()
+    """gRPC server options after the ``--``, the same for both targets: P4Runtime over TLS
+    (:func:`checkmate.tls.server_args`); none: plaintext."""
 
     def command(self, binary: str) -> list[str]:
         """The command line that starts this switch (the same for both targets)."""
@@ -116,4 +119,5 @@ class SwitchConfig:
         argv += ["--", "--grpc-server-addr", self.grpc_address]
         if self.cpu_port is not None:
             argv += ["--cpu-port", str(self.cpu_port)]
+        argv += self.grpc_args
         return argv

@@ -472,3 +472,66 @@ def test_oversized_and_slow_drip_control_messages_block_nobody(
         f"{min(closed_after):.1f}-{max(closed_after):.1f} s; {len(latencies)} genuine status requests "
         f"meanwhile answered in at most {max(latencies) * 1000:.0f} ms",
     )
+
+
+# ---- P4Runtime ---------------------------------------------------------------------------
+def test_p4runtime_clients_without_the_right_certificate_get_no_session(
+    tmp_path: Path, reliability: Recorder
+) -> None:
+    from checkmate.tls import TlsFiles, make_test_pki
+    from controller.errors import SwitchUnreachableError
+    from controller.switch_connection import SwitchConnection
+    from embedded_switch import program
+    from embedded_switch.p4runtime_server import P4RuntimeServer
+
+    case = (
+        "P4Runtime clients without the right certificate against a switch serving mutual TLS: plaintext, "
+        "no client certificate, another CA's client certificate, a client trusting another CA"
+    )
+    compared = "per connection attempt: a P4Runtime session (arbitration answered) or none"
+    reliability.begin(
+        area="bad input", case=case, target="switch (embedded P4Runtime server)", compared=compared
+    )
+    pki, other = make_test_pki(tmp_path / "pki"), make_test_pki(tmp_path / "other")
+    server = P4RuntimeServer(
+        1, "127.0.0.1:0", tls=TlsFiles(pki.ca, pki.server_cert, pki.server_key), client_auth=True
+    )
+    server.load_pipeline(program.P4INFO_PATH)
+    address = f"127.0.0.1:{server.start()}"
+    attempts = {
+        "plaintext": None,
+        "no client certificate": TlsFiles(pki.ca),
+        "another CA's client certificate": TlsFiles(pki.ca, other.client_cert, other.client_key),
+        "a client trusting another CA": TlsFiles(other.ca, pki.client_cert, pki.client_key),
+    }
+    comparisons = differed = 0
+    try:
+        for _ in range(2):
+            for tls in attempts.values():
+                comparisons += 1
+                try:
+                    SwitchConnection("s1", address, 1, timeout=1.0, tls=tls).close()
+                    differed += 1  # let in
+                except SwitchUnreachableError:
+                    pass
+        with SwitchConnection(
+            "s1", address, 1, timeout=5, tls=TlsFiles(pki.ca, pki.client_cert, pki.client_key)
+        ) as ok:
+            genuine = ok.is_primary and bool(ok.get_p4info().tables)
+    finally:
+        server.stop()
+    reliability.compare(comparisons, differed)
+    assert genuine, "the controller with the right certificate got no session: the test proves nothing"
+    assert differed == 0
+    reliability.record(
+        area="bad input",
+        case=case,
+        target="switch (embedded P4Runtime server)",
+        trials=comparisons,
+        compared=compared,
+        comparisons=comparisons,
+        differed=differed,
+        held=f"{comparisons} attempts ({', '.join(attempts)}; twice each), each refused at the TLS handshake "
+        "(SwitchUnreachableError naming the switch and its address); the controller with the test CA's "
+        "certificate got a primary session and read the P4Info",
+    )

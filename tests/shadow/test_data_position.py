@@ -254,7 +254,7 @@ def test_rank0_sends_the_position_set_before_each_step_with_that_iteration() -> 
     # every job_start carries the position after start_iteration - 1: the first one the
     # enable_checkmate(data_position=...) value, DDP's rebuild re-seed (before iteration 1) commit 0's
     starts = [m for m in shadow.messages if isinstance(m, JobStart)]
-    assert starts[0].start_iteration == 0 and starts[0].extra == {"data_position": {"batch": 0}}
+    assert starts[0].start_iteration == 0 and starts[0].extra["data_position"] == {"batch": 0}
     assert len(starts) == 2  # DDP's rebuild moved parameters between buckets
     for start in starts[1:]:
-        assert start.extra == {"data_position": {"batch": start.start_iteration}}
+        assert start.extra["data_position"] == {"batch": start.start_iteration}

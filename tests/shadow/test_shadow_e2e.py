@@ -97,6 +97,8 @@ def _train(
     tap.flush()
     certified = None
     if agent.channel is not None:
+        # the last step's commit goes at the next forward pass, or here (no forward pass follows)
+        agent.wait_certified(steps - 1, timeout=30.0)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             certified = agent.channel.certified_through()

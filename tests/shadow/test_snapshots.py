@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from checkmate import checkpoint_format as fmt
 from checkmate.checkpoint_format import CheckpointReader
-from shadow.snapshots import Snapshot, SnapshotPolicy, Snapshotter
+from shadow.snapshots import Snapshot, SnapshotPolicy, Snapshotter, disk_status
 
 
 def snapshot(step: int, shard: int = 0, num_shards: int = 1) -> Snapshot:
@@ -72,7 +73,9 @@ def test_latest_moves_only_when_every_shard_is_written(tmp_path: Path) -> None:
             shard.close()
 
 
-def test_a_busy_writer_skips_instead_of_blocking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_busy_writer_never_blocks_and_then_writes_the_newest_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     release = threading.Event()
     original = fmt.write_shard
 
@@ -81,18 +84,57 @@ def test_a_busy_writer_skips_instead_of_blocking(tmp_path: Path, monkeypatch: py
         return original(*args, **kwargs)
 
     monkeypatch.setattr(fmt, "write_shard", slow_write)
-    writer = Snapshotter(SnapshotPolicy(tmp_path, every_iterations=1))
+    writer = Snapshotter(SnapshotPolicy(tmp_path, every_iterations=1, hold=2))
     try:
         assert writer.offer(0, lambda: snapshot(0))
-        for iteration in range(1, 4):  # the writer is stuck on step 0 (one queued, rest skipped)
-            writer.offer(iteration, lambda it=iteration: snapshot(it))
-        assert writer.stats.skipped_busy >= 2
+        deadline = time.monotonic() + 10
+        while not writer._writing and time.monotonic() < deadline:  # the writer took step 0
+            time.sleep(0.001)
+        started = time.monotonic()
+        for iteration in range(1, 5):  # the writer is stuck on step 0: these are held, newest two kept
+            assert writer.offer(iteration, lambda it=iteration: snapshot(it))
+        assert time.monotonic() - started < 1.0, "offer blocked on the busy writer"
+        assert writer.busy
         release.set()
         assert writer.flush(10)
     finally:
         release.set()
         writer.close()
-    assert fmt.read_latest(tmp_path) is not None
+    # the writer caught up: the newest offered state is on disk; 1, 2 (hold) and 3 (older) superseded
+    assert fmt.read_latest(tmp_path) == 4
+    assert fmt.complete_steps(tmp_path)[-1] == 4
+    assert writer.stats.written == 2 and writer.stats.superseded == 3, writer.stats
+
+
+def test_shards_meet_on_a_step_another_shard_started(tmp_path: Path) -> None:
+    """A writer that frees up prefers a held step another shard has begun: that step completes."""
+    other = Snapshotter(SnapshotPolicy(tmp_path, every_iterations=1))
+    mine = Snapshotter(SnapshotPolicy(tmp_path, every_iterations=1, hold=3))
+    try:
+        other.offer(5, lambda: snapshot(5, 1, 2))  # shard 1 wrote step 5 only
+        assert other.flush(10)
+        with mine._cond:  # shard 0 holds 5, 6, 7 (it was busy); its writer must pick 5
+            mine._held = {s: snapshot(s, 0, 2) for s in (5, 6, 7)}
+            mine._cond.notify_all()
+        assert mine.flush(10)
+    finally:
+        other.close()
+        mine.close()
+    assert fmt.complete_steps(tmp_path) == [5]  # then the newest held (7; 6 superseded) on its own
+    assert mine.stats.written == 2 and mine.stats.superseded == 1 and mine.stats.last_step == 7
+
+
+def test_disk_status_says_how_old_the_newest_complete_step_is(tmp_path: Path) -> None:
+    assert disk_status(tmp_path, 9)["newest_complete_step"] is None
+    writer = Snapshotter(SnapshotPolicy(tmp_path, every_iterations=1))
+    try:
+        writer.offer(6, lambda: snapshot(6))
+        assert writer.flush(10)
+    finally:
+        writer.close()
+    status = disk_status(tmp_path, 9)
+    assert status["newest_complete_step"] == 6 and status["age_iterations"] == 3
+    assert 0 <= status["age_seconds"] < 60
 
 
 def test_policy_rejects_nonsense() -> None:

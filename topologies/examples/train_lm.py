@@ -10,12 +10,12 @@ so the iteration is the whole data position)::
 
 Checkmate adds one line (``hosts.enable_checkmate``, configured from
 ``CHECKMATE_*`` variables, see :class:`hosts.ddp.CheckmateConfig`). With
-``--resume`` (or ``CHECKMATE_RESUME=1``) rank 0 first restores the latest
-certified state — from the shadows' memory, or when they do not answer from
-their snapshot directory (``--snapshot-dir``) — and hands it to every rank;
-training continues at the certified iteration + 1 with that iteration's
-batches (:mod:`topologies.recovery`). The batch cursor (the index of the next
-batch) is the data position every iteration tells the shadows
+``--resume`` (or ``CHECKMATE_RESUME=1``) every rank first calls ``hosts.resume``:
+the latest certified state — from the shadows' memory, or when they do not
+answer from their snapshot directory (``--snapshot-dir``) — is loaded on every
+rank and training continues at the certified iteration + 1 with that
+iteration's batches (:mod:`hosts.recovery`). The batch cursor (the index of the
+next batch) is the data position every iteration tells the shadows
 (``agent.set_data_position``); a restore that carries it resumes there, one
 without it at the restored iteration + 1 (the same here).
 
@@ -44,16 +44,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import hosts
-from hosts.ddp import CheckmateConfig
+from hosts.recovery import ResumePoint, optimizer_digest, optimizer_states_by_name, parameters_digest
 from topologies.examples.tiny_lm import ModelConfig, TinyLM, batch_for, cosine_lr, load_corpus, loss_of
-from topologies.recovery import (
-    RestoredState,
-    load_state,
-    optimizer_digest,
-    optimizer_states_by_name,
-    parameters_digest,
-    restore_latest,
-)
 
 logger = logging.getLogger("train_lm")
 
@@ -246,40 +238,12 @@ class JsonLog:
         self._file.close()
 
 
-def _restore(args: argparse.Namespace, rank: int) -> RestoredState | None:
-    """Rank 0 restores (shadow memory, else disk) and every rank gets the same state."""
-    box: list[RestoredState | None] = [None]
-    if rank == 0:
-        shadows = dict(CheckmateConfig.from_env().shadow_control) if not args.no_checkmate else {}
-        box[0] = restore_latest(shadows, args.snapshot_dir, timeout=args.restore_timeout)
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def resume_cursor(restored: RestoredState | None) -> int:
-    """The first batch to train on: the restored data position's ``batch``, else the next iteration."""
-    if restored is None:
-        return 0
-    # The shadows' data position after the restored iteration, where the restore passes it on.
-    position = restored.data_position
+def resume_cursor(point: ResumePoint) -> int:
+    """The first batch to train on: the restored data position's ``batch``, else the start iteration."""
+    position = point.data_position
     if isinstance(position, dict) and type(position.get("batch")) is int and position["batch"] >= 0:
         return int(position["batch"])
-    return restored.next_iteration
-
-
-def settle_buckets(model: DistributedDataParallel, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-    """One forward and backward pass without an optimizer step, so DDP's gradient buckets are final.
-
-    DDP starts with buckets in reverse parameter order and rebuilds them once, in
-    the order gradients became ready, at the next forward pass. The ring sums an
-    element in an order that depends on where it sits in its bucket, so a job
-    resumed at iteration t would reduce iteration t with other buckets (and other
-    rounding) than a job that never stopped. Settling the buckets before the first
-    real iteration of every start makes every iteration use the same buckets, so a
-    resumed job is bit-identical to an uninterrupted one. The gradients are dropped.
-    """
-    loss_of(model, inputs, targets).backward()
-    model.module.zero_grad(set_to_none=True)
+    return point.iteration
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -296,54 +260,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     logger.info("rendezvous done: rank %d of %d", rank, world)
     log = JsonLog(Path(args.log.format(rank=rank)))
     try:
-        restored = _restore(args, rank) if args.resume else None
-        start = restored.next_iteration if restored is not None else 0
-        cursor = resume_cursor(restored)  # the next batch (== start unless a data position says otherwise)
+        corpus = load_corpus()
+        torch.manual_seed(config.seed)  # identical initial weights everywhere (DDP broadcasts them too)
+        module = TinyLM(config.model)
+        optimizer = torch.optim.AdamW(
+            module.parameters(),
+            lr=cosine_lr(0, config.iterations, config.peak_lr, config.warmup),
+            weight_decay=config.weight_decay,
+        )
+        model = DistributedDataParallel(module, bucket_cap_mb=config.bucket_cap_mb)
+        point = ResumePoint(iteration=0)
+        if args.resume:
+            # Checkmate: the one call to resume (every rank; the shadows' memory, else the disk)
+            point = hosts.resume(
+                model,
+                optimizer,
+                snapshot_dir=args.snapshot_dir,
+                timeout=args.restore_timeout,
+                shadows={} if args.no_checkmate else None,
+            )
+        start = point.iteration
+        cursor = resume_cursor(point)  # the next batch (== start unless a data position says otherwise)
         log.write(
             event="start",
             rank=rank,
             world_size=world,
             pid=os.getpid(),
             start_iteration=start,
-            restored_from=restored.iteration if restored is not None else None,
-            source=restored.source if restored is not None else None,
-            detail=restored.detail if restored is not None else None,
+            restored_from=point.restored_iteration,
+            source=point.source if point.restored else None,
+            detail=point.detail if point.restored else None,
+            lost_iterations=point.lost_iterations if point.restored else None,
             time=time.time(),
         )
-
-        corpus = load_corpus()
-        torch.manual_seed(config.seed)  # identical initial weights everywhere (DDP broadcasts them too)
-        module = TinyLM(config.model)
-        optimizer = torch.optim.AdamW(
-            module.parameters(),
-            lr=cosine_lr(start, config.iterations, config.peak_lr, config.warmup),
-            weight_decay=config.weight_decay,
-        )
-        if restored is not None:
-            load_state(module, optimizer, restored)
+        if point.restored:
             log.write(
                 event="restored",
-                iteration=restored.iteration,
+                iteration=point.restored_iteration,
                 params_sha256=parameters_digest(module.named_parameters()),
                 optimizer_sha256=optimizer_digest(optimizer_states_by_name(module, optimizer)),
             )
-        model = DistributedDataParallel(module, bucket_cap_mb=config.bucket_cap_mb)
-        logger.info("model ready (restored: %s)", restored.iteration if restored is not None else None)
-        settle_buckets(
-            model,
-            *batch_for(corpus, config.seed, cursor, rank, world, config.global_batch, config.model.context),
-        )
+        logger.info("model ready (restored: %s)", point.restored_iteration)
+        batch = batch_for(corpus, config.seed, cursor, rank, world, config.global_batch, config.model.context)
+        hosts.settle_buckets(model, lambda: loss_of(model, *batch))  # same buckets at every start
         logger.info("buckets settled")
         agent = None
         if not args.no_checkmate:
             # Checkmate: the one added line (a resumed job keeps the job's iteration numbers)
-            agent = hosts.enable_checkmate(
-                model,
-                optimizer,
-                start_iteration=start,
-                optimizer_step=restored.optimizer_step if restored is not None else 0,
-                data_position={"batch": cursor},
-            )
+            agent = hosts.enable_checkmate(model, optimizer, resume=point, data_position={"batch": cursor})
 
         checkpointer = BaselineCheckpointer(
             args.checkpoint, args.checkpoint_every, args.checkpoint_dir, module, optimizer, rank, log
