@@ -220,7 +220,7 @@ class Diverged:
     """``name::state`` of the tensors that differ (at most 20 listed)."""
 
 
-_COMMIT_OPTIONAL = {"no_grad": [], "gradient_scaling": [], "fingerprint": None}
+_COMMIT_OPTIONAL: dict[str, Any] = {"no_grad": [], "gradient_scaling": [], "fingerprint": None}
 """Commit fields left off the wire at their default (frames stay small; older readers unaffected)."""
 
 
