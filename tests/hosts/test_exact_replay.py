@@ -408,3 +408,21 @@ def test_a_change_mid_run_is_a_clear_error_where_it_happens(change: str, expecte
     store = f"{tempfile.mkdtemp(prefix='change-')}/store"
     for message in run_ranks(_changes_mid_run, 2, store, change, NET, timeout=60):
         assert expected in message, message
+
+
+def test_compression_and_fingerprint_settings_from_the_environment() -> None:
+    from hosts.ddp import CheckmateConfig, CheckmateConfigError
+
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    config = CheckmateConfig.from_env(env)
+    assert (config.compress, config.fingerprint_every) == (None, 1)
+    config = CheckmateConfig.from_env(
+        {**env, "CHECKMATE_COMPRESS": "bf16", "CHECKMATE_FINGERPRINT_EVERY": "5"}
+    )
+    assert (config.compress, config.fingerprint_every) == ("bf16", 5)
+    with pytest.raises(CheckmateConfigError, match="compress='zstd': expected 'bf16', 'fp16' or None"):
+        CheckmateConfig.from_env({**env, "CHECKMATE_COMPRESS": "zstd"})
+    with pytest.raises(CheckmateConfigError, match="CHECKMATE_FINGERPRINT_EVERY='often' is not an integer"):
+        CheckmateConfig.from_env({**env, "CHECKMATE_FINGERPRINT_EVERY": "often"})
+    with pytest.raises(CheckmateConfigError, match="fingerprint_every \\(-1\\) must not be negative"):
+        CheckmateConfig.from_env({**env, "CHECKMATE_FINGERPRINT_EVERY": "-1"})
