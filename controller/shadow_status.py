@@ -212,6 +212,15 @@ def summary_line(answer: ShadowStatus, job_id: int | None = None) -> str:
         f"lag {_value(doc, 'lag_iterations')}",
         f"received {_value(doc, 'packets_received')} packets / {_value(doc, 'bytes_received')} bytes",
     ]
+    disk = doc.get("disk")
+    if isinstance(disk, Mapping):  # how old the newest complete checkpoint on disk is
+        if disk.get("newest_complete_step") is None:
+            parts.append("disk none")
+        else:
+            parts.append(
+                f"disk step {disk['newest_complete_step']} ({_value(disk, 'age_iterations')} behind, "
+                f"{_value(disk, 'age_seconds')} s old)"
+            )
     repairs = _counts(doc.get("repairs"))
     parts.append(
         f"repairs {repairs.get('requests', 0)} requests / {repairs.get('elements_repaired', 0)} elements"

@@ -308,3 +308,14 @@ def test_a_diverged_shadow_says_so_in_its_line() -> None:
     healed = {**STATUS, "divergence": None, "divergences": 2, "last_divergence": divergence}
     line = summary_line(ShadowStatus("sh1", "127.0.0.2:1", status=healed))
     assert line.endswith("divergences 2 (last after iteration 12; re-seeded)")
+
+
+def test_the_line_says_how_old_the_newest_checkpoint_on_disk_is() -> None:
+    status = {"state": "running", "applied_iteration": 41, "certified_iteration": 41, "lag_iterations": 0}
+    disk = {"newest_complete_step": 38, "age_iterations": 3, "age_seconds": 1.25}
+    line = summary_line(ShadowStatus("sh1", "127.0.0.2:1", status={**status, "disk": disk}))
+    assert "  disk step 38 (3 behind, 1.25 s old)  repairs" in line
+    none = {"newest_complete_step": None, "age_iterations": None, "age_seconds": None}
+    empty = summary_line(ShadowStatus("sh1", "127.0.0.2:1", status={**status, "disk": none}))
+    assert "  disk none  " in empty
+    assert " disk " not in summary_line(ShadowStatus("sh1", "127.0.0.2:1", status=status))  # no snapshots
