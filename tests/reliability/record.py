@@ -176,4 +176,9 @@ def load_rows(path: Path) -> list[Row]:
         except (json.JSONDecodeError, TypeError) as exc:
             raise ValueError(f"{path}:{number}: not a reliability row: {exc}") from None
         rows[(row.test, row.case)] = row
-    return list(rows.values())
+    # A test that passed when rerun after a failure drops the failure's row; while its latest row
+    # is a failure, every row of it stays (the table shows the loss).
+    last: dict[str, Row] = {}
+    for row in sorted(rows.values(), key=lambda r: r.recorded):
+        last[row.test] = row
+    return [r for r in rows.values() if r.outcome == "passed" or last[r.test].outcome != "passed"]
