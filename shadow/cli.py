@@ -20,7 +20,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
+from checkmate.auth import AuthConfigError
 from checkmate.control import DEFAULT_CONTROL_PORT
+from checkmate.control_frame import ControlProtocolError
 from checkmate.wire import CHECKMATE_UDP_PORT
 from shadow.cluster import certified_through
 from shadow.node import ShadowConfig, ShadowNode
@@ -157,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         addresses = [parse_address(a, DEFAULT_CONTROL_PORT) for a in args.addresses]
         print(json.dumps({"certified_through": certified_through(addresses, args.timeout)}))
         return 0
-    except (OSError, RestoreError) as exc:
+    except (OSError, RestoreError, AuthConfigError, ControlProtocolError) as exc:
         print(f"checkmate-shadow: {exc}", file=sys.stderr)
         return 1
 
