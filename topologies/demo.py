@@ -514,6 +514,7 @@ class DemoRun:
             "secret": self.secret,
         }
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # also when an earlier run left the file with another mode
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(json.dumps(document, indent=1))
 
