@@ -128,15 +128,16 @@ class CheckmateConfig:
     ``bf16_compress_hook``/``fp16_compress_hook`` (which cannot be combined with Checkmate's hook:
     it is the all-reduce). The shadows get the compressed result and widen it exactly as the
     workers do. None: buckets travel in their own dtype."""
-    fingerprint_every: int = 1
+    fingerprint_every: int | None = None
     """Rank 0 sends a fingerprint of its state (:mod:`checkmate.fingerprint`) with every K-th
     commit (``CHECKMATE_FINGERPRINT_EVERY``; 0: never); a shadow whose state differs says so
-    within K iterations, withdraws its certification and is re-seeded."""
+    within K iterations, withdraws its certification and is re-seeded. None: 1 when every
+    parameter is on the CPU, 0 otherwise (CPU replay is not bit-identical to GPU kernels)."""
 
     def __post_init__(self) -> None:
         if self.compress not in COMPRESSION:
             raise CheckmateConfigError(f"compress={self.compress!r}: expected 'bf16', 'fp16' or None")
-        if self.fingerprint_every < 0:
+        if self.fingerprint_every is not None and self.fingerprint_every < 0:
             raise CheckmateConfigError(f"fingerprint_every ({self.fingerprint_every}) must not be negative")
         if self.start_iteration < 0 or self.optimizer_step < 0:
             raise CheckmateConfigError(
@@ -232,7 +233,11 @@ class CheckmateConfig:
             start_iteration=_int_env(env, "CHECKMATE_START_ITERATION", 0),
             optimizer_step=_int_env(env, "CHECKMATE_OPTIMIZER_STEP", 0),
             job_file=job_file,
-            fingerprint_every=_int_env(env, "CHECKMATE_FINGERPRINT_EVERY", 1),
+            fingerprint_every=(
+                _int_env(env, "CHECKMATE_FINGERPRINT_EVERY", 0)
+                if env.get("CHECKMATE_FINGERPRINT_EVERY")
+                else None
+            ),
             compress=env.get("CHECKMATE_COMPRESS") or None,
         )
 
@@ -263,6 +268,26 @@ COMPRESSION: dict[str | None, torch.dtype | None] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
+
+
+def _fingerprint_every(configured: int | None, module: torch.nn.Module) -> int:
+    """K: ``configured``, else 1 with every parameter on the CPU and 0 (off) otherwise.
+
+    The shadows replay on CPU: bit for bit what CPU workers compute, not what GPU kernels
+    do, so with GPU parameters every check would find a (last-bit) divergence.
+    """
+    if configured is not None:
+        return configured
+    devices = sorted({p.device.type for p in module.parameters()} - {"cpu"})
+    if devices:
+        logger.warning(
+            "checkmate: parameters on %s: the shadows replay the step on CPU, which is not bit-identical "
+            "to %s kernels, so the divergence check is off (set CHECKMATE_FINGERPRINT_EVERY to turn it on)",
+            ", ".join(devices),
+            ", ".join(devices),
+        )
+        return 0
+    return 1
 
 
 def _file_stamp(path: str | None) -> tuple[int, int, int] | None:
@@ -489,6 +514,7 @@ class CheckmateAgent:
         self._no_grad: list[str] = []
         """Rank 0: the optimizer's parameters without a gradient at this iteration's step."""
         self._state_checked = False
+        self._fingerprint_every = _fingerprint_every(config.fingerprint_every, ddp_model.module)
         self._last_hyper: list[dict[str, Any]] = []
         self.optimizer_steps = config.optimizer_step
         self._data_position: Any = None
@@ -963,7 +989,7 @@ class CheckmateAgent:
 
     def _fingerprint(self, iteration: int) -> dict[str, dict[str, Any]] | None:
         """Rank 0's state after ``iteration`` (every K-th iteration), for the shadows to compare."""
-        every = self.config.fingerprint_every
+        every = self._fingerprint_every
         if self.channel is None or every <= 0 or (iteration + 1) % every:
             return None
         named = self.model.module.named_parameters()

@@ -97,7 +97,7 @@ def _train(
     config = dataclasses.replace(
         CheckmateConfig.from_env(),
         keep_iterations=64,
-        fingerprint_every=scenario.get("every", 1),
+        fingerprint_every=scenario.get("every"),
         compress=scenario.get("compress"),
     )
     agent = hosts.enable_checkmate(ddp, opt, config)
@@ -415,7 +415,7 @@ def test_compression_and_fingerprint_settings_from_the_environment() -> None:
 
     env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
     config = CheckmateConfig.from_env(env)
-    assert (config.compress, config.fingerprint_every) == (None, 1)
+    assert (config.compress, config.fingerprint_every) == (None, None)  # None: 1 on CPU, 0 on a GPU
     config = CheckmateConfig.from_env(
         {**env, "CHECKMATE_COMPRESS": "bf16", "CHECKMATE_FINGERPRINT_EVERY": "5"}
     )
@@ -426,3 +426,14 @@ def test_compression_and_fingerprint_settings_from_the_environment() -> None:
         CheckmateConfig.from_env({**env, "CHECKMATE_FINGERPRINT_EVERY": "often"})
     with pytest.raises(CheckmateConfigError, match="fingerprint_every \\(-1\\) must not be negative"):
         CheckmateConfig.from_env({**env, "CHECKMATE_FINGERPRINT_EVERY": "-1"})
+
+
+def test_the_check_is_on_by_default_for_cpu_parameters_only() -> None:
+    from hosts.ddp import _fingerprint_every
+
+    cpu = torch.nn.Linear(2, 2)
+    assert _fingerprint_every(None, cpu) == 1
+    assert _fingerprint_every(3, cpu) == 3
+    meta = torch.nn.Linear(2, 2, device="meta")  # stands in for a GPU: not the CPU the shadows replay on
+    assert _fingerprint_every(None, meta) == 0
+    assert _fingerprint_every(2, meta) == 2
