@@ -8,6 +8,8 @@ target options is accepted and ignored), plus:
 ``--p4info PATH``
     Load the pipeline from this P4Info at start, so the data path and the
     P4Runtime server work before any controller pushes a config.
+``--metrics-port PORT`` (``--metrics-address ADDR``)
+    Serve Prometheus metrics (docs/metrics.md); a port in use stops the start (status 1).
 ``--drop-egress PORT:FRACTION`` (repeatable), ``--drop-seed N``
     Fault injection: drop FRACTION (0..1) of the frames leaving PORT, chosen by a
     generator seeded from (N, PORT); counted as drop reason FAULT_INJECTION.
@@ -42,7 +44,9 @@ from types import FrameType
 
 from google.protobuf import text_format
 
+from checkmate.metrics import MetricsServer, parse_metrics_port
 from checkmate.tls import TlsConfigError, TlsFiles, check_files
+from embedded_switch.metrics import switch_collector
 from embedded_switch.ports import MAX_PORT, PortBinding, PortError, PortsConfig, SwitchPorts
 from embedded_switch.program import P4INFO_PATH, ProgramMismatchError, build_state, check_program, load_p4info
 
@@ -79,6 +83,9 @@ class SwitchConfig:
     tls: TlsFiles | None = None
     """P4Runtime over TLS (--grpc-server-ssl and its files); None: plaintext."""
     client_auth: bool = False
+    metrics_port: int | None = None
+    """Prometheus endpoint (--metrics-port); None: none."""
+    metrics_address: str = "0.0.0.0"
 
 
 def _port_number(text: str, what: str) -> int:
@@ -109,6 +116,13 @@ def _drop_spec(text: str) -> tuple[int, float]:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"--drop-egress {text!r}: fraction must lie in [0, 1]")
     return _port_number(port, f"--drop-egress {text}"), value
+
+
+def _port_or_zero(text: str) -> int:
+    try:
+        return int(parse_metrics_port(text, "--metrics-port") or 0)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,6 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--profile", type=Path, metavar="PATH", help="write a cProfile of the I/O thread at exit"
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=_port_or_zero,
+        default=None,
+        help="serve Prometheus metrics on this TCP port (docs/metrics.md); in use: refuse to start",
+    )
+    parser.add_argument("--metrics-address", default="0.0.0.0", help="address for --metrics-port")
     return parser
 
 
@@ -251,6 +272,8 @@ def parse_config(argv: Sequence[str]) -> SwitchConfig:
         drop_egress=drop_egress,
         drop_seed=args.drop_seed,
         profile_path=args.profile,
+        metrics_port=args.metrics_port,
+        metrics_address=args.metrics_address,
     )
 
 
@@ -305,9 +328,14 @@ def run(config: SwitchConfig, stop: threading.Event) -> int:
         if server.state is not None:
             ports.set_state(server.state)  # the pipeline must read what the server writes
     ports.start()
+    metrics: MetricsServer | None = None
     try:
         bound = server.start()
+        if config.metrics_port is not None:
+            collector = switch_collector(config.device_id, ports, lambda: server.state)
+            metrics = MetricsServer(collector, config.metrics_port, config.metrics_address)
     except Exception:
+        server.stop(grace=0)
         ports.stop()
         raise
     for b in config.bindings:
@@ -336,6 +364,8 @@ def run(config: SwitchConfig, stop: threading.Event) -> int:
             pass
     finally:
         logger.info("shutting down")
+        if metrics is not None:
+            metrics.close()
         server.stop(grace=1.0)
         ports.stop()
         logger.info("final counts: %s", ports.describe())

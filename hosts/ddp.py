@@ -76,10 +76,12 @@ from checkmate.job import JobSpec
 from checkmate.job_state import JobState, JobStateError
 from checkmate.job_state import capture as capture_job_state
 from checkmate.job_state import merge as merge_job_states
+from checkmate.metrics import parse_metrics_port
 from checkmate.optimizers import check_replayable, describe, non_elementwise_state, pin_implementation
 from checkmate.wire import CHECKMATE_UDP_PORT
 from hosts.control_channel import ControlChannel, ControlConfig
 from hosts.faults import FaultConfig
+from hosts.metrics import start_agent_metrics
 from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig
 from hosts.transport import Addr, Transport, TransportConfig, resolve
 
@@ -133,6 +135,9 @@ class CheckmateConfig:
     commit (``CHECKMATE_FINGERPRINT_EVERY``; 0: never); a shadow whose state differs says so
     within K iterations, withdraws its certification and is re-seeded. None: 1 when every
     parameter is on the CPU, 0 otherwise (CPU replay is not bit-identical to GPU kernels)."""
+    metrics_port: int | None = None
+    """Rank 0 serves Prometheus metrics on this TCP port (``CHECKMATE_METRICS_PORT``;
+    hosts/metrics.py, docs/metrics.md). A port in use is logged; training goes on without."""
 
     def __post_init__(self) -> None:
         if self.compress not in COMPRESSION:
@@ -239,7 +244,15 @@ class CheckmateConfig:
                 else None
             ),
             compress=env.get("CHECKMATE_COMPRESS") or None,
+            metrics_port=_metrics_port_env(env),
         )
+
+
+def _metrics_port_env(env: Mapping[str, str]) -> int | None:
+    try:
+        return parse_metrics_port(env.get("CHECKMATE_METRICS_PORT"), "CHECKMATE_METRICS_PORT")
+    except ValueError as exc:
+        raise CheckmateConfigError(str(exc)) from None
 
 
 def read_job_file(path: str) -> tuple[JobSpec, tuple[Addr, ...], dict[str, Addr]]:
@@ -534,6 +547,11 @@ class CheckmateAgent:
             up = self.channel.wait_connected(config.shadow_connect_timeout)
             logger.info("%d of %d shadows reachable at start", up, len(config.shadow_control))
             self.channel.post_state(lambda: [self._job_start(config.start_iteration)])
+        self._metrics = (
+            start_agent_metrics(self, config.job_id, self.rank, config.metrics_port)
+            if self.rank == 0 and config.metrics_port is not None
+            else None
+        )
         if dist.is_initialized():
             dist.barrier()  # every rank's transport is up before the first gradient moves
         ddp_model.register_comm_hook(self, _hook)
@@ -1066,6 +1084,8 @@ class CheckmateAgent:
             if not _AGENTS:
                 _remove_patches()
                 torch.amp.grad_scaler.GradScaler.update = _ORIGINAL_SCALER_UPDATE  # type: ignore[method-assign]
+        if self._metrics is not None:
+            self._metrics.close()
         if self.channel is not None:
             self._final_state_to_rejoining_shadows(self.channel, timeout)
             self.channel.flush(timeout)

@@ -3,7 +3,7 @@
 checkmate-shadow run --name shadow0 [--control 0.0.0.0:48880] [--data 0.0.0.0:48879]
                      [--job-id N] [--shard-keys 0,2] [--snapshot-dir DIR
                      --snapshot-every K --snapshot-seconds T --keep M --resume]
-                     [--status-file PATH]
+                     [--status-file PATH] [--metrics-port PORT [--metrics-address ADDR]]
 checkmate-shadow status HOST[:PORT] [--timeout S]
 checkmate-shadow certified HOST[:PORT] [HOST[:PORT] ...]
 """
@@ -23,8 +23,10 @@ from types import FrameType
 from checkmate.auth import AuthConfigError
 from checkmate.control import DEFAULT_CONTROL_PORT
 from checkmate.control_frame import ControlProtocolError
+from checkmate.metrics import MetricsServer, parse_metrics_port
 from checkmate.wire import CHECKMATE_UDP_PORT
 from shadow.cluster import certified_through
+from shadow.metrics import shadow_collector
 from shadow.node import ShadowConfig, ShadowNode
 from shadow.repair import RepairPolicy
 from shadow.restore import RestoreError, shadow_status
@@ -66,6 +68,13 @@ def _shard_keys(text: str) -> str:
     return text
 
 
+def _metrics_port(text: str) -> int:
+    try:
+        return int(parse_metrics_port(text, "--metrics-port") or 0)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 _LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 
 
@@ -101,6 +110,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--repair-grace", type=float, default=0.02)
     run.add_argument("--repair-timeout", type=float, default=0.1)
     run.add_argument("--threads", type=int, default=1, help="torch threads for the optimizer")
+    run.add_argument(
+        "--metrics-port",
+        type=_metrics_port,
+        default=None,
+        help="serve Prometheus metrics on this TCP port (docs/metrics.md); in use: refuse to start",
+    )
+    run.add_argument("--metrics-address", default="0.0.0.0", help="address for --metrics-port")
     status = sub.add_parser("status", help="print a shadow's status JSON")
     status.add_argument("address", type=_address(DEFAULT_CONTROL_PORT))
     status.add_argument("--timeout", type=float, default=5.0)
@@ -137,12 +153,28 @@ def _run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    node = ShadowNode(config).start()
+    metrics = None
+    node = ShadowNode(config)
+    if args.metrics_port is not None:
+        # before the node's threads start: a port in use refuses the start (exit 1, one line)
+        try:
+            metrics = MetricsServer(shadow_collector(node.status), args.metrics_port, args.metrics_address)
+        except OSError:
+            node.close()
+            raise
+    try:
+        node.start()
+    except BaseException:
+        if metrics is not None:
+            metrics.close()
+        raise
     try:
         while not stop.wait(0.5):
             pass
     finally:
         node.close()
+        if metrics is not None:
+            metrics.close()
     return 0
 
 
