@@ -941,7 +941,8 @@ class ShadowNode:
                     self._data_position = entry.data_position
                 if entry.job_state is not None:
                     self._job_state = entry.job_state
-                self._fulfil_captures_locked()
+                if not differs:  # a state that differs from rank 0's is never handed out
+                    self._fulfil_captures_locked()
             elapsed = time.perf_counter() - started
             with self._lock:
                 if self._epoch is epoch:
@@ -1182,6 +1183,10 @@ class ShadowNode:
         with self._state_lock:
             if self._epoch is None:
                 return RestoreRefused(job_id, self.name, self._applied, "no state yet")
+            if self._diverged is not None:
+                at = self._diverged["iteration"]
+                why = f"state diverged from the workers' after iteration {at}; waiting to be re-seeded"
+                return RestoreRefused(job_id, self.name, self._applied, why)
             target = self._applied if request.iteration is None else request.iteration
             if target == self._applied:
                 return self._capture_state()
@@ -1207,7 +1212,8 @@ class ShadowNode:
         """Serve restore requests waiting for the state just reached (state lock held)."""
         for target in [t for t in self._captures if t <= self._applied]:
             waiting = self._captures.pop(target)
-            result = self._capture_state() if target == self._applied else None
+            same = target == self._applied and self._diverged is None
+            result = self._capture_state() if same else None
             for capture in waiting:
                 capture.result = result
                 capture.done.set()
