@@ -31,7 +31,7 @@ import hosts
 from hosts import ddp
 from tests.reliability.digests import state_digests
 from topologies.examples import train_lm
-from topologies.recovery import RestoredState, optimizer_states_by_name
+from topologies.recovery import optimizer_states_by_name
 
 DIGESTS_ENV = "FAULTJOB_DIGESTS"
 DUPLICATE_ENV = "FAULTJOB_DUPLICATE"
@@ -103,15 +103,25 @@ def _between_iterations() -> None:
             TRACKER.write(event="held", seconds=round(waited, 2), time=time.time())
 
 
-_original_load_state = train_lm.load_state
+_original_resume = hosts.resume
 
 
-def _load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: RestoredState) -> None:
-    _original_load_state(model, optimizer, state)
-    params, optim = state_digests(dict(model.named_parameters()), optimizer_states_by_name(model, optimizer))
-    TRACKER.write(
-        event="restored", iteration=state.iteration, source=state.source, params=params, optimizer=optim
-    )
+def _resume(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    """``hosts.resume`` (what train_lm calls to restore), recording the restored state's digests."""
+    point = _original_resume(model, optimizer, *args, **kwargs)
+    if point.restored:
+        module = getattr(model, "module", model)
+        params, optim = state_digests(
+            dict(module.named_parameters()), optimizer_states_by_name(module, optimizer)
+        )
+        TRACKER.write(
+            event="restored",
+            iteration=point.restored_iteration,
+            source=point.source,
+            params=params,
+            optimizer=optim,
+        )
+    return point
 
 
 _original_enable = hosts.enable_checkmate
@@ -152,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     TRACKER.write(event="env", gate=os.environ.get(GATE_ENV), step_seconds=os.environ.get(STEP_SECONDS_ENV))
     train_lm.TinyLM = _TrackedLM  # type: ignore[misc]
     train_lm.JsonLog = _DigestLog  # type: ignore[misc]
-    train_lm.load_state = _load_state
+    hosts.resume = _resume  # type: ignore[attr-defined]
     hosts.enable_checkmate = _enable
     ddp.CheckmateConfig.from_env = classmethod(_from_env)  # type: ignore[method-assign,assignment]
     handle = register_optimizer_step_post_hook(_on_step)
