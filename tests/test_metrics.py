@@ -5,7 +5,7 @@ emulated by tests/shadow/copy_tap.py with loss and duplicates, so drops and repa
 happen. A thread scrapes the shadows' and rank 0's endpoints over HTTP during the run;
 the figures must move during the run and, at the end, equal the components' own status.
 Also: a port in use (shadow CLI: refuses to start with one line; agent: logs, trains on),
-and the embedded switch's collector over its real P4 state.
+the embedded switch's collector over its real P4 state, and its command line (root: a veth pair).
 """
 
 from __future__ import annotations
@@ -303,3 +303,44 @@ def test_agent_metrics_port_from_the_environment() -> None:
     for bad in ("abc", "70000"):
         with pytest.raises(CheckmateConfigError, match="CHECKMATE_METRICS_PORT"):
             CheckmateConfig.from_env({**base, "CHECKMATE_METRICS_PORT": bad})
+
+
+@pytest.mark.root
+def test_switch_command_line_serves_metrics_and_refuses_a_taken_port() -> None:
+    veth = f"cmm{os.getpid() % 100000}"
+    subprocess.run(["ip", "link", "add", f"{veth}a", "type", "veth", "peer", "name", f"{veth}b"], check=True)
+    switch = None
+    try:
+        for end in "ab":
+            subprocess.run(["ip", "link", "set", f"{veth}{end}", "up"], check=True)
+        port = _free_port()
+        command = [sys.executable, "-m", "embedded_switch.cli", "--grpc-server-addr", "127.0.0.1:0"]
+        switch = subprocess.Popen(
+            [*command, "--p4info", "p4src/checkmate.p4info.txtpb", "-i", f"1@{veth}a",
+             "--metrics-port", str(port), "--metrics-address", "127.0.0.1"],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        samples = None
+        while samples is None and time.monotonic() < deadline:
+            try:
+                samples = scrape(port)
+            except OSError:
+                time.sleep(0.2)
+        assert samples is not None, "the switch's metrics endpoint never answered"
+        assert value(samples, "checkmate_switch_pipeline_loaded", device="0") == 1
+        assert value(samples, "checkmate_switch_table_entries", table="replicate_to_shadow") == 0
+        second = subprocess.run(
+            [*command, "--no-p4", "-i", f"1@{veth}b", "--metrics-port", str(port),
+             "--metrics-address", "127.0.0.1"],
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert second.returncode == 1
+        assert f"cannot start: cannot serve metrics on 127.0.0.1:{port}" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert switch.poll() is None, "the first switch must keep running"
+    finally:
+        if switch is not None:
+            switch.terminate()
+            switch.wait(timeout=15)
+        subprocess.run(["ip", "link", "del", f"{veth}a"], check=False)
