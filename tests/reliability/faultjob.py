@@ -51,7 +51,18 @@ from checkmate.control import DEFAULT_CONTROL_PORT
 from checkmate.wire import CHECKMATE_UDP_PORT
 from tests.reliability.digests import state_digests
 from tests.topologies.harness import root_interfaces
-from topologies.demo import CTL, NET, REPO, SHADOW_BOOT, DemoConfig, DemoError, DemoResult, DemoRun, Observer
+from topologies.demo import (
+    CTL,
+    NET,
+    REPO,
+    SHADOW_BOOT,
+    DemoConfig,
+    DemoError,
+    DemoResult,
+    DemoRun,
+    Observer,
+    _secret_env,
+)
 from topologies.launcher import LaunchConfig, tail
 from topologies.runstate import RunState
 
@@ -291,6 +302,7 @@ class FaultJob(DemoRun):
         with open(self.log_dir / f"{name}.log", "ab") as out:
             self._shadows[name] = subprocess.Popen(
                 [*NET, "exec", "--run-dir", str(self.net_dir), host, "--", *argv],
+                env=_secret_env(self.work / "job-file.json"),  # the job's secret, as make demo gives it
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,

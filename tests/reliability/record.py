@@ -92,7 +92,9 @@ class Recorder:
             "compared": "",
             "trials": 1,
         }
-        compared = str(pending["compared"])
+        compared = str(pending["compared"]) or (
+            "the state comparisons the test had counted when it failed" if self.comparisons else ""
+        )
         return self.record(
             area=str(pending["area"]),
             case=str(pending["case"]),
