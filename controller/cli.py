@@ -22,6 +22,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from checkmate.job import JobSpec, JobSpecError
 from checkmate.network import Network, NetworkError
@@ -29,9 +30,9 @@ from checkmate.tls import TlsFiles
 from controller.capacity import add_plan_parser, run_plan
 from controller.controller import Controller
 from controller.errors import ControllerError
+from controller.job_registry_cli import forget_job, list_jobs
 from controller.job_secrets import JobSecrets
 from controller.pipeline import DEFAULT_P4INFO, PipelineConfig, Target
-from controller.registry import Registry
 from controller.shadow_status import (
     DEFAULT_SHADOW_TIMEOUT_S,
     SHADOW_CONTROL_PORT,
@@ -238,15 +239,20 @@ def build_parser() -> argparse.ArgumentParser:
         "secret",
         help="where a job's secret is kept; check a job file against it",
         description="Print the path of the job's secret in the registry (hex, mode 0600; put it in job "
-        "files as \"secret\" or hand it over as CHECKMATE_JOB_SECRET_FILE). With --check FILE, fail "
+        'files as "secret" or hand it over as CHECKMATE_JOB_SECRET_FILE). With --check FILE, fail '
         "unless FILE's secret is the registry's. No switch access.",
     )
     secret.add_argument("job_id", type=int)
     secret.add_argument("--check", type=Path, metavar="JOB_FILE", help="compare this job file's secret")
     remove = job_cmds.add_parser(
-        "remove", help="remove a job from the switches and the registry", description="Remove a job."
+        "remove",
+        help="remove a job from the switches and the registry",
+        description="Remove a job from every switch, then from the registry. With --forget: from the "
+        "registry only, no switch contacted (switches gone, e.g. after checkmate-net down); the next "
+        "reconcile deletes what it left on a live switch and nothing installs it again.",
     )
     remove.add_argument("job_id", type=int)
+    remove.add_argument("--forget", action="store_true", help="registry only; touch no switch")
     resize = job_cmds.add_parser(
         "resize",
         help="give a job another worker ring (elastic restart)",
@@ -255,9 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     resize.add_argument("job_id", type=int)
     resize.add_argument("--workers", type=_names, required=True, help="worker hosts in ring order")
-    job_cmds.add_parser(
+    listing = job_cmds.add_parser(
         "list", help="list registered jobs", description="List registered jobs (no switch access)."
     )
+    listing.add_argument("--json", action="store_true", help="print JSON")
     show = job_cmds.add_parser(
         "show",
         help="show a job, its per-switch counters and its shadows' status",
@@ -265,8 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
         "the status of each of its shadows (asked on their control port). A shadow that does not "
         "answer is reported on its line; it does not make the command fail.",
     )
-    show.add_argument("job_id", type=int)
-    show.add_argument("--json", action="store_true", help="print JSON")
+    show.add_argument(
+        "job_ids", type=int, nargs="*", metavar="JOB_ID", help="job ids (none: every registered job)"
+    )
+    show.add_argument("--json", action="store_true", help='print JSON (several jobs: {"jobs": [...]})')
     show.add_argument(
         "--shadow-timeout",
         type=_positive_float,
@@ -347,12 +356,15 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return run_plan(args, PROG)
     state_dir = args.state_dir if args.state_dir is not None else default_state_dir()
     if args.command == "job" and args.action == "list":
-        with Registry(state_dir) as registry:
-            records = registry.jobs()
-        if not records:
-            print(f"no jobs registered (registry: {state_dir})")
-        for record in records:
-            _print_job_line(record.spec, record.slot)
+        print(list_jobs(state_dir, args.json))
+        return 0
+    if args.command == "job" and args.action == "remove" and args.forget:
+        record = forget_job(state_dir, args.job_id)
+        print(
+            f"job {args.job_id} forgotten: removed from the registry only (slot {record.slot}, "
+            f"{len(record.groups)} group(s) on the switches left as they are; the next reconcile "
+            "removes them from a live switch)"
+        )
         return 0
     if args.command == "job" and args.action == "secret":
         secrets = JobSecrets(state_dir)
@@ -438,23 +450,29 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(f"job {args.job_id} removed")
             return 0
         if args.action == "show":
-            _show(ctl, network, args)
+            ids = args.job_ids or [r.spec.job_id for r in ctl.jobs()]
+            shown = [_show(ctl, network, args, job_id) for job_id in ids]
+            if args.json:
+                print(json.dumps(shown[0] if len(args.job_ids) == 1 else {"jobs": shown}, indent=2))
+            elif not ids:
+                print(f"no jobs registered (registry: {state_dir})")
             return 0
     parser.error(f"unknown command {args.command}")
     return 2
 
 
-def _show(ctl: Controller, network: Network, args: argparse.Namespace) -> None:
-    status = ctl.job_status(args.job_id)
+def _show(ctl: Controller, network: Network, args: argparse.Namespace, job_id: int) -> dict[str, Any]:
+    """Print one job (text), or return its JSON document (--json)."""
+    status = ctl.job_status(job_id)
     record = status.record
     shadows = None
     if not args.no_shadows:
         overrides = dict(args.shadow_address)
         for name in sorted(set(overrides) - set(record.spec.shadows)):
-            logger.warning("--shadow-address %s: job %d has no shadow %s", name, args.job_id, name)
+            logger.warning("--shadow-address %s: job %d has no shadow %s", name, job_id, name)
         addresses = shadow_addresses(record.spec, network, args.shadow_control_port, overrides)
         state_dir = args.state_dir if args.state_dir is not None else default_state_dir()
-        secret = JobSecrets(state_dir).read(args.job_id)
+        secret = JobSecrets(state_dir).read(job_id)
         shadows = query_shadows(addresses, args.shadow_timeout, record.spec.job_id, secret)
     if args.json:
         out = {
@@ -472,8 +490,7 @@ def _show(ctl: Controller, network: Network, args: argparse.Namespace) -> None:
         }
         if shadows is not None:
             out["shadows"] = {answer.shadow: answer.to_json() for answer in shadows}
-        print(json.dumps(out, indent=2))
-        return
+        return out
     _print_job_line(record.spec, record.slot)
     for (switch, port, shadow), group in sorted(record.groups.items()):
         rid = record.rids[(switch, shadow)]
@@ -491,6 +508,7 @@ def _show(ctl: Controller, network: Network, args: argparse.Namespace) -> None:
         print(f"  shadows (status on their control port, {args.shadow_timeout:g} s timeout):")
         for answer in shadows:
             print(f"    {summary_line(answer, record.spec.job_id)}")
+    return {}
 
 
 def _quiet_p4runtime_shell(record: logging.LogRecord) -> bool:

@@ -1,0 +1,74 @@
+"""Job commands that read or change only the registry: ``job list`` and ``job remove --forget``.
+
+Neither connects to a switch, so both work when the network is down (after
+``checkmate-net down``, or with a switch gone for good):
+
+* ``job list [--json]`` lists every registered job with what it holds (slot, groups and
+  rids per switch) from the registry alone.
+* ``job remove ID --forget`` deletes the job from the registry and its secret from the
+  state directory, and touches no switch. The next reconcile (every ``checkmate-ctl``
+  command that writes, ``checkmate-ctl reconcile``, ``checkmate-net up``) then treats what
+  the job left on a live switch as stale and deletes it, and installs it nowhere again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from controller.errors import ControllerError
+from controller.job_secrets import JobSecrets
+from controller.registry import JobRecord, Registry
+
+logger = logging.getLogger(__name__)
+
+
+def record_summary(record: JobRecord) -> dict[str, Any]:
+    """What ``job list --json`` prints for one job."""
+    switches = sorted({s for (s, _, _) in record.groups} | {s for (s, _) in record.rids})
+    return {
+        "job": record.spec.to_json(),
+        "slot": record.slot,
+        "per_switch": {
+            s: {
+                "multicast_groups": sum(1 for (sw, _, _) in record.groups if sw == s),
+                "rids": sum(1 for (sw, _) in record.rids if sw == s),
+            }
+            for s in switches
+        },
+    }
+
+
+def list_jobs(state_dir: Path, as_json: bool) -> str:
+    with Registry(state_dir) as registry:
+        records = registry.jobs()
+    if as_json:
+        return json.dumps({"jobs": [record_summary(r) for r in records]}, indent=2)
+    if not records:
+        return f"no jobs registered (registry: {state_dir})"
+    lines = []
+    for record in records:
+        spec = record.spec
+        shards = ", ".join(f"{k}->{s}" for k, s in sorted(spec.shard_to_shadow.items()))
+        lines.append(
+            f"job {spec.job_id}  slot {record.slot}  workers {','.join(spec.workers)}  "
+            f"shadows {','.join(spec.shadows)}  shards {shards}"
+        )
+    groups = sum(len(r.groups) for r in records)
+    rids = sum(len(r.rids) for r in records)
+    lines.append(f"{len(records)} job(s) registered: {groups} multicast group(s), {rids} shadow rewrite(s)")
+    return "\n".join(lines)
+
+
+def forget_job(state_dir: Path, job_id: int) -> JobRecord:
+    """Delete ``job_id`` from the registry (and its secret); no switch is contacted."""
+    with Registry(state_dir) as registry, registry.lock():
+        record = registry.job(job_id)
+        if record is None:
+            raise ControllerError(f"job {job_id} is not registered (registry: {state_dir})")
+        registry.remove_job(job_id)
+    JobSecrets(state_dir).remove(job_id)
+    logger.info("job %d forgotten (registry only)", job_id)
+    return record
