@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 
+from checkmate import checkpoint_format as fmt
 from checkmate.wire import CHECKMATE_UDP_PORT
 from hosts.recovery import from_snapshots
 from shadow.node import ShadowConfig, ShadowNode
@@ -207,6 +208,11 @@ def run_case(
         )
         assert_same(ref["optimizer"], other["optimizer"], "rank 1 vs rank 0 optimizer")
         assert_shadows_hold(nodes, ref, iterations - 1)
+        # the disk tier caught up: with a snapshot due every iteration, the newest state is on disk
+        for n in nodes:
+            assert n.snapshotter is not None and n.snapshotter.flush(30)
+        assert fmt.complete_steps(tmp / "a" / "ckpt")[-1] == iterations - 1
+        assert all(n.status()["disk"]["age_iterations"] == 0 for n in nodes)
     finally:
         for n in nodes:
             n.close()

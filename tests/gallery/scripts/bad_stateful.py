@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -53,4 +54,6 @@ try:
 except ValueError as exc:  # CheckmateConfigError at enable, JobStateError later: both name the object
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.err").write_text(f"{type(exc).__name__}: {exc}")
+    if args.option != "enable":
+        time.sleep(3600)  # the process keeps running after the error (the test kills the job)
 os._exit(0)
