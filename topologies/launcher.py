@@ -14,7 +14,7 @@ progress for ``stall_timeout`` seconds, or a start that takes longer than
 ``start_timeout``), the launcher stops the others (SIGTERM, then SIGKILL after
 ``stop_grace``) and starts the job again with ``CHECKMATE_RESUME=1``: the
 workers restore the shadows' latest certified state and continue after it
-(:mod:`topologies.recovery`). By default all N start again; with
+(``hosts.resume``, :mod:`hosts.recovery`). By default all N start again; with
 ``shrink_on_failure`` (elastic, like ``torchrun --nnodes=MIN:MAX``) the failed
 worker's host is left out and the job continues with N-1 (never fewer than
 ``min_workers``). A ``before_start`` callback sees each incarnation's workers
