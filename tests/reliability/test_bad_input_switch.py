@@ -218,8 +218,19 @@ def test_fuzzed_frames_into_the_switch_soak(tmp_path: Path, reliability: Recorde
 def test_spoofed_tagged_packets_never_reach_a_shadow(tmp_path: Path, reliability: Recorder) -> None:
     """Well-formed tagged DATA with an enrolled job id, from ports / shard keys / next hops not enrolled."""
     rng = random.Random(20)
-    spoofed = enrolled = 0
+    spoofed = enrolled = leaked = 0
     why: collections.Counter[str] = collections.Counter()
+    compared = (
+        "per frame: the switch's outputs against the reference model (a spoofed frame forwarded to its next "
+        "hop only, uncopied, counted as rejected at its job's slot; an enrolled one replicated)"
+    )
+    reliability.begin(
+        area="bad input",
+        case="spoofed tagged packets: an enrolled job id from a port, shard key or next hop not enrolled",
+        target="switch (embedded pipeline, programmed by the controller)",
+        compared=compared,
+        trials=SPOOF_CASES + len(sc.SPOOFED),
+    )
     with programmed_switch(tmp_path) as sw:
         t = Tally(sw)
         workers = sorted(sw.network.hosts_with_role("worker"))
@@ -240,11 +251,14 @@ def test_spoofed_tagged_packets_never_reach_a_shadow(tmp_path: Path, reliability
             next_hop = sw.host_port(dst)
             if (job, port, shard, next_hop) in sw.model.replicate:
                 enrolled += 1
-                assert verdict.kind == "replicate"
+                leaked += verdict.kind != "replicate"
                 continue
             spoofed += 1
-            assert verdict.kind == "forward" and verdict.rejected_slot == sw.model.jobs.get(job, 0)
-            assert [p for p, _ in verdict.outputs] == [next_hop]
+            leaked += not (
+                verdict.kind == "forward"
+                and verdict.rejected_slot == sw.model.jobs.get(job, 0)
+                and [p for p, _ in verdict.outputs] == [next_hop]
+            )
             if job not in (JOB_A.job_id, JOB_B.job_id):
                 why["unknown job"] += 1
             elif port not in {sw.host_port(w) for w in (JOB_A if job == 7 else JOB_B).workers}:
@@ -265,7 +279,9 @@ def test_spoofed_tagged_packets_never_reach_a_shadow(tmp_path: Path, reliability
     pipeline = Pipeline(state)
     for case in sc.SPOOFED:
         out = pipeline.process(bytes(case.packet), case.ingress_port)
-        assert [(p, bytes(f)) for p, f in out] == [(case.out_port, sc.routed(case.packet, case.out_mac))]
+        leaked += [(p, bytes(f)) for p, f in out] != [(case.out_port, sc.routed(case.packet, case.out_mac))]
+    reliability.compare(SPOOF_CASES + len(sc.SPOOFED), leaked)
+    assert leaked == 0
     assert state.counter("shadow_copies").read(sc.JOB_SLOT) == (0, 0)
     assert sum(state.counter("rejected_replications").packets) == len(sc.SPOOFED)
     assert pipeline.drops.total() == 0
@@ -275,7 +291,9 @@ def test_spoofed_tagged_packets_never_reach_a_shadow(tmp_path: Path, reliability
         case="spoofed tagged packets: an enrolled job id from a port, shard key or next hop not enrolled",
         target="switch (embedded pipeline, programmed by the controller)",
         trials=SPOOF_CASES + len(sc.SPOOFED),
-        lost=0,
+        compared=compared,
+        comparisons=SPOOF_CASES + len(sc.SPOOFED),
+        differed=leaked,
         held=f"{spoofed} spoofed packets ({tally(why)}) all forwarded uncopied, none reached a shadow port, "
         f"each counted in rejected_replications at its job's slot; {enrolled} that were in fact enrolled "
         f"were copied once; plus the {len(sc.SPOOFED)} shared packet-test cases "
