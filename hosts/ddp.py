@@ -45,6 +45,7 @@ is committed with ``skip_step=True`` when the next one starts.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import ipaddress
 import json
@@ -560,6 +561,7 @@ class CheckmateAgent:
         self._pre_step_handle = optimizer.register_step_pre_hook(self._before_step)
         self._guard_add_param_group()
         self._forward_handle = ddp_model.register_forward_pre_hook(self._before_forward)
+        atexit.register(self._flush_at_exit)  # a script that never calls close() still sends its last commit
         with _AGENTS_LOCK:
             _AGENTS.append(self)
             _install_patches()
@@ -678,6 +680,16 @@ class CheckmateAgent:
             self._early = (self._uncommitted, self._capture_early())
         self._flush_commit()
         self._seed_new_shadows()
+
+    def _flush_at_exit(self) -> None:
+        """At interpreter exit without :meth:`close`: send the last step's commit (best effort, 5 s)."""
+        if self.channel is None or self._pending_commit is None:
+            return
+        try:
+            self._flush_commit()
+            self.channel.flush(5.0)
+        except Exception as exc:  # noqa: BLE001 - exiting anyway; say why the last commit may be missing
+            logger.warning("checkmate: could not send the last commit at exit: %s", exc)
 
     def _after_scaler_update(self) -> None:
         """A GradScaler's update(): an all-reduced iteration without an optimizer step was skipped."""
@@ -1074,6 +1086,7 @@ class CheckmateAgent:
         if self._uncommitted is not None:
             self._commit(self._uncommitted, skipped=True, capture=False)
         self._flush_commit()
+        atexit.unregister(self._flush_at_exit)
         self._step_handle.remove()
         self._pre_step_handle.remove()
         vars(self.optimizer).pop("add_param_group", None)  # the class's method again

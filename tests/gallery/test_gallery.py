@@ -17,6 +17,7 @@ switch: the owner of each reduced chunk sends the shadow its copy). For each:
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import runpy
@@ -53,6 +54,7 @@ def _rank_main(script: str, argv: list[str], env: dict[str, str]) -> None:
     sys.path[:0] = [str(SCRIPTS), str(ROOT)]
     sys.argv = [script, *argv]
     runpy.run_path(script, run_name="__main__")
+    atexit._run_exitfuncs()  # as a python process does at exit (multiprocessing children skip it)
 
 
 def _free_port() -> int:

@@ -15,7 +15,11 @@ The only Checkmate-specific line is marked ``# Checkmate: the one added line``:
 delete it and this is plain DDP over gloo, with bit-identical results for 2
 workers. With it, gradients are all-reduced by Checkmate's host agent
 (:func:`hosts.enable_checkmate`), configured from ``CHECKMATE_*`` variables
-(see :class:`hosts.ddp.CheckmateConfig`).
+(see :class:`hosts.ddp.CheckmateConfig`). With ``--resume`` a restarted job first
+restores the shadows' latest certified state (or the newest checkpoint in
+``CHECKMATE_SNAPSHOT_DIR``) with :func:`hosts.resume` and continues with the
+step after it; the data position is the step (a fixed number of batches per
+epoch), so the loader skips to it.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bucket-cap-mb", type=float, default=0.1, help="DDP gradient bucket size")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", type=Path, default=None, help="rank 0 saves the final state_dict here")
+    parser.add_argument("--resume", action="store_true", help="restore the latest certified state first")
     return parser
 
 
@@ -86,12 +91,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         make_model(args.features, args.hidden, args.classes), bucket_cap_mb=args.bucket_cap_mb
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    __import__("hosts").enable_checkmate(model, optimizer)  # Checkmate: the one added line
+    hosts = __import__("hosts")
+    point = hosts.resume(model, optimizer) if args.resume else None  # Checkmate: restore after a failure
+    hosts.enable_checkmate(model, optimizer, resume=point)  # Checkmate: the one added line
 
-    step, epoch, started = 0, 0, time.perf_counter()
+    step = point.iteration if point is not None else 0
+    epoch, skip = divmod(step, len(loader))
+    first, started = step, time.perf_counter()
     while step < args.steps:
         sampler.set_epoch(epoch)
-        for inputs, labels in loader:
+        for index, (inputs, labels) in enumerate(loader):
+            if index < skip:
+                continue  # batches of this epoch the restored state already trained on
             loss = nn.functional.cross_entropy(model(inputs), labels)
             optimizer.zero_grad()
             loss.backward()
@@ -100,12 +111,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             step += 1
             if rank == 0:
                 elapsed = time.perf_counter() - started
-                print(
-                    f"step {step:4d}  loss {loss.item():.4f}  {1000 * elapsed / step:.1f} ms/step", flush=True
-                )
+                rate = 1000 * elapsed / (step - first)
+                print(f"step {step:4d}  loss {loss.item():.4f}  {rate:.1f} ms/step", flush=True)
             if step == args.steps:
                 break
-        epoch += 1
+        epoch, skip = epoch + 1, 0
 
     dist.barrier()  # every rank has finished its last step before rank 0 saves and anyone exits
     if rank == 0 and args.save is not None:
