@@ -68,6 +68,8 @@ class ShadowLink:
         self.config = config
         self.on_certified = on_certified
         self.on_diverged: Callable[[str, Diverged], None] | None = None
+        self.refusal: str | None = None
+        """The last reason the shadow gave for refusing the job (``goodbye`` "refused: ..."), if any."""
         """Called with a shadow's divergence report (set by :class:`ControlChannel`)."""
         self.counters: dict[str, int] = {}
         self._queue: deque[Message] = deque()
@@ -221,6 +223,10 @@ class ShadowLink:
                 if self.on_diverged is not None:
                     self.on_diverged(self.name, reply)
             elif isinstance(reply, Goodbye):
+                if reply.reason.startswith("refused:"):  # the shadow cannot serve this job: loud, every time
+                    self._count("refused")
+                    self.refusal = reply.reason
+                    logger.error("checkmate: shadow %s %s", self.name, reply.reason)
                 raise ConnectionError(f"shadow said goodbye: {reply.reason}")
             else:
                 self._count("unexpected_reply")

@@ -85,6 +85,7 @@ from checkmate.fingerprint import fingerprint as state_fingerprint
 from checkmate.fingerprint import mismatches as fingerprint_mismatches
 from checkmate.job import JobSpec, JobSpecError
 from checkmate.job_state import JobState
+from checkmate.optimizers import OptimizerReplayError, optimizer_class
 from checkmate.wire import (
     CHECKMATE_UDP_PORT,
     HEADER_BYTES,
@@ -657,6 +658,13 @@ class ShadowNode:
             job = self._job_from(message)
         except (JobSpecError, ValueError) as exc:
             logger.error("shadow %s: unusable job_start: %s", self.name, exc)
+            return False
+        try:  # an optimizer this shadow cannot import or replay: refused at once, rank 0 is told why
+            optimizer_class(message.optimizer)
+        except (OptimizerReplayError, KeyError, TypeError) as exc:
+            logger.error("shadow %s: refusing job %d: %s", self.name, message.job_id, exc)
+            with self._control_send:
+                send_message(conn, Goodbye(message.job_id, f"refused: {exc}"), timeout=1.0)
             return False
         if message.extra.get("data_position") is not None:
             position = self._checked_position(message.extra["data_position"], message.start_iteration - 1)

@@ -111,3 +111,29 @@ def test_a_mismatch_withdraws_certification_reports_it_and_the_shadow_is_reseede
     assert status["divergence"] is None and status["last_divergence"]["iteration"] == 1
     assert status["certified_iteration"] == 1 and status["verified_iteration"] == 1
     rank0.close()
+
+
+def test_a_shadow_that_cannot_import_the_optimizer_refuses_the_job_and_rank0_logs_why(
+    node: ShadowNode, caplog: pytest.LogCaptureFixture
+) -> None:
+    from hosts.control_channel import ControlChannel, ControlConfig
+
+    start = job_start([("127.0.0.60", 9)])
+    start.optimizer = {**start.optimizer, "kind": "Lion", "module": "no_such_optimizers", "qualname": "Lion"}
+    channel = ControlChannel(JOB, {"s0": node.control_address}, ControlConfig(reconnect_interval=0.05))
+    try:
+        assert channel.wait_connected(5.0) == 1
+        channel.post_state(lambda: [start])
+        link = channel.links[0]
+        assert wait_for(lambda: link.refusal is not None), link.counters
+        assert "refused: optimizer no_such_optimizers.Lion: cannot import module 'no_such_optimizers'" in str(
+            link.refusal
+        )
+        assert any(
+            r.levelname == "ERROR"
+            and "shadow s0 refused: optimizer no_such_optimizers.Lion" in r.getMessage()
+            for r in caplog.records
+        )
+        assert node.status()["job_id"] is None  # the job was not taken on
+    finally:
+        channel.close(1.0)
