@@ -186,8 +186,10 @@ class DatagramKeys:
     def for_job(self, job_id: int) -> DatagramAuth:
         auth = self._by_job.get(job_id)
         if auth is None:
+            auth = DatagramAuth(self._secret, job_id)
             with self._lock:
-                auth = self._by_job.setdefault(job_id, DatagramAuth(self._secret, job_id))
+                if len(self._by_job) < 16:  # bounded: forged datagrams name any job id
+                    auth = self._by_job.setdefault(job_id, auth)
         return auth
 
     def open(self, datagram: memoryview) -> memoryview | None:

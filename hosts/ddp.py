@@ -1102,6 +1102,12 @@ class CheckmateAgent:
         if self.channel is not None:
             self._final_state_to_rejoining_shadows(self.channel, timeout)
             self.channel.flush(timeout)
+            # The last iteration's lost copies are repaired from the workers: the other ranks wait in
+            # the barrier below (their rings still answer) until the shadows certified it, or timeout.
+            if self.iteration > self.config.start_iteration and all(
+                link.connected and not link.needs_state for link in self.channel.links
+            ):
+                self.channel.wait_certified(self.iteration - 1, timeout)
             self.channel.close(timeout)
         # Drain while every peer still listens (its last ACKs may need a retransmission), then
         # wait for all ranks before closing sockets. close() is collective, like DDP itself.

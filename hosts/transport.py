@@ -522,7 +522,10 @@ class Transport:
             return
         if needs_tag(data):
             job = self._jobs.get(datagram_job(data))
-            opened = job.auth.open(data) if job is not None and job.auth is not None else None
+            if job is None or job.auth is None:
+                self.count_drop("unknown_job")  # no key to check it with (e.g. the job closed)
+                return
+            opened = job.auth.open(data)
             if opened is None:
                 self.count_drop("unauthenticated")
                 return

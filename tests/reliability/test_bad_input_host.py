@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from checkmate.auth import needs_tag
+from checkmate.auth import datagram_job, needs_tag
 from checkmate.wire import CHECKMATE_UDP_PORT, CheckmateHeader, DType, Flags, MessageType
 from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig, reference_allreduce
 from hosts.transport import Transport, TransportConfig
@@ -113,7 +113,7 @@ class Fuzzer(threading.Thread):
                         continue
                     self.sent[rank] += 1
                     # ACK, NACK and repair datagrams are checked for the job's MAC before they are parsed
-                    self.unauthenticated[rank] += needs_tag(data)
+                    self.unauthenticated[rank] += needs_tag(data) and datagram_job(data) == JOB
                     self.malformed[rank] += decodes(data) is None and not needs_tag(data)
                     self.mutations[name.split("+")[0]] += 1
                     # drain whatever the ranks answered (NACKs, repair data)
