@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from checkmate import checkpoint_format as fmt
 from checkmate.checkpoint_export import export_dcp, export_deepspeed_universal, export_safetensors, reshard
@@ -29,6 +30,14 @@ def _reader(args: argparse.Namespace) -> CheckpointReader:
     return CheckpointReader(Path(args.root), args.step)
 
 
+def _job_state_summary(reader: CheckpointReader) -> dict[str, Any] | None:
+    """Names of the step's buffers and stateful objects (format version 2), None without a job state."""
+    state = reader.job_state()
+    if state is None:
+        return None
+    return {"buffers": sorted(state.buffers), "stateful": sorted(state.stateful)}
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     reader = _reader(args)
     summary = {
@@ -38,6 +47,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "latest": fmt.read_latest(reader.root),
         "optimizer": reader.global_state.get("optimizer", {}).get("kind"),
         "data_position": data_position(reader),
+        "format_version": reader.global_state.get("format_version"),
+        "job_state": _job_state_summary(reader),
         "shards": [
             {"shard": m["shard"], "file": m["file"], "tensors": len(m["entries"])} for m in reader.manifests
         ],
@@ -50,6 +61,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"complete steps: {summary['complete_steps']}  latest: {summary['latest']}")
     if summary["data_position"] is not None:
         print(f"data position after step {reader.step}: {json.dumps(summary['data_position'])}")
+    state = summary["job_state"]
+    if state is None:
+        print(f"job state: none (format version {summary['format_version']})")
+    else:
+        print(f"job state: buffers {state['buffers'] or '-'}  stateful {state['stateful'] or '-'}")
     for shard in summary["shards"]:
         print(f"  shard {shard['shard']}: {shard['file']} ({shard['tensors']} tensors)")
     for name, meta in summary["parameters"].items():

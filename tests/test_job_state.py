@@ -187,3 +187,21 @@ def test_a_corrupted_job_state_file_is_refused(tmp_path: Path) -> None:
     future.write_text(json.dumps(document))
     with pytest.raises(fmt.CheckpointError, match="format version 3; this build reads versions 1, 2"):
         fmt.CheckpointReader(tmp_path)
+
+
+def test_checkmate_ckpt_inspect_names_the_job_state(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from checkmate.checkpoint_cli import main
+
+    model, optimizer, scheduler = _model()
+    _write(tmp_path, capture(model, {"scheduler": scheduler}, optimizer))
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["format_version"] == 2 and summary["job_state"] == {
+        "buffers": ["1.num_batches_tracked", "1.running_mean", "1.running_var"],
+        "stateful": ["scheduler"],
+    }
+    assert main(["inspect", str(tmp_path)]) == 0
+    buffers = "['1.num_batches_tracked', '1.running_mean', '1.running_var']"
+    assert f"job state: buffers {buffers}  stateful ['scheduler']" in capsys.readouterr().out
