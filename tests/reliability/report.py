@@ -37,6 +37,13 @@ How the numbers are obtained:
   differences it had counted (at least 1) and the failure in What held.
 * `make reliability` and `make soak` exit non-zero when any row lost anything.
 
+Can the table show a loss? `tests/reliability/weakened.py` switches two defences off
+(a shadow takes copies from any host; datagram MACs are not checked). With it,
+`CHECKMATE_RELIABILITY_OUT=/tmp/rows.jsonl .venv/bin/python -m pytest -p tests.reliability.weakened
+tests/reliability/test_attacks.py` and `python -m tests.reliability.report /tmp/rows.jsonl --out
+/tmp/weakened.md` recorded 3 failed rows, 85 of 257 comparisons differed, and the report
+exited 1 (2026-12-01).
+
 "Lost" counts wrong or missing results: a certified iteration whose state differs
 from the workers', a copy that reached a shadow it should not have, a table
 entry or checkpoint that went missing, a forged message that was let in, a process
