@@ -31,12 +31,13 @@ from controller.capacity import add_plan_parser, run_plan
 from controller.controller import Controller
 from controller.errors import ControllerError
 from controller.job_registry_cli import forget_job, list_jobs
-from controller.job_secrets import JobSecrets
+from controller.job_secrets import JobSecretError, JobSecrets
 from controller.pipeline import DEFAULT_P4INFO, PipelineConfig, Target
 from controller.shadow_status import (
     DEFAULT_SHADOW_TIMEOUT_S,
     SHADOW_CONTROL_PORT,
     Addr,
+    ShadowStatus,
     query_shadows,
     shadow_addresses,
     summary_line,
@@ -360,6 +361,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     if args.command == "job" and args.action == "remove" and args.forget:
         record = forget_job(state_dir, args.job_id)
+        JobSecrets(state_dir).remove(args.job_id)
         print(
             f"job {args.job_id} forgotten: removed from the registry only (slot {record.slot}, "
             f"{len(record.groups)} group(s) on the switches left as they are; the next reconcile "
@@ -472,8 +474,12 @@ def _show(ctl: Controller, network: Network, args: argparse.Namespace, job_id: i
             logger.warning("--shadow-address %s: job %d has no shadow %s", name, job_id, name)
         addresses = shadow_addresses(record.spec, network, args.shadow_control_port, overrides)
         state_dir = args.state_dir if args.state_dir is not None else default_state_dir()
-        secret = JobSecrets(state_dir).read(job_id)
-        shadows = query_shadows(addresses, args.shadow_timeout, record.spec.job_id, secret)
+        try:
+            secret = JobSecrets(state_dir).read(job_id)
+        except JobSecretError as exc:  # e.g. a job added before secrets existed: say so on each line
+            shadows = [ShadowStatus(name, "", error=str(exc)) for name in addresses]
+        else:
+            shadows = query_shadows(addresses, args.shadow_timeout, record.spec.job_id, secret)
     if args.json:
         out = {
             "job": record.spec.to_json(),
