@@ -9,12 +9,13 @@ its module and qualified name (``{"kind": "RMSprop", "module": "torch.optim.rmsp
 "qualname": "RMSprop", "param_groups": [...]}``), and the shadow imports it.
 Every ``torch.optim`` optimizer that takes no closure and dense gradients works
 (SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, ASGD,
-Rprop, Muon); so does a user's class importable on the shadow (not one defined
-in ``__main__`` or inside a function) whose state is element-wise (each state
-tensor shaped like its parameter, or 0-d: :func:`non_elementwise_state` checks it
-after the first step). Adafactor is refused: its factored state does not fit the
-layout-free checkpoint. On CPU the replay is bit-exact
-when both sides run the same implementation, so :func:`pin_implementation` makes
+Rprop; others such as Muon are replayed as any importable class, untested); so
+does a user's class importable on the shadow (not one defined in ``__main__`` or
+inside a function) whose state is element-wise (each state tensor shaped like
+its parameter, or 0-d: :func:`non_elementwise_state` checks it after the first
+step). Adafactor is refused: its factored state does not fit the layout-free
+checkpoint. On CPU the replay is bit-exact when both sides run the same
+implementation, so :func:`pin_implementation` makes
 ``foreach`` explicit in every param group before the first step (torch would
 otherwise choose per call from the devices it sees). ``fused=True`` is replayed
 on CPU (torch's fused CPU kernels work per parameter, so a shard steps exactly
