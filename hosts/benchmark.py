@@ -36,6 +36,7 @@ import multiprocessing as mp
 import os
 import pathlib
 import queue
+import secrets
 import signal
 import statistics
 import sys
@@ -351,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help=f"JSON output (default {LOOPBACK_OUT}, with --network {NETWORK_OUT})")
     parser.add_argument("--rank-spec", type=pathlib.Path, help=argparse.SUPPRESS)  # one rank in a host
     args = parser.parse_args(argv)
+    # The transports authenticate their control datagrams: the benchmark's ranks share a fresh secret.
+    os.environ.setdefault("CHECKMATE_JOB_SECRET", secrets.token_hex(32))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.rank_spec is not None:
         return _rank_from_spec(args.rank_spec)
