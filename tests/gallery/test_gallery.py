@@ -51,6 +51,8 @@ SHADOW_HOST = 72
 
 def _rank_main(script: str, argv: list[str], env: dict[str, str]) -> None:
     os.environ.update(env)
+    if "GALLERY_STDOUT" in env:  # this rank's output to a file ({rank} replaced)
+        sys.stdout = open(env["GALLERY_STDOUT"].format(rank=env["RANK"]), "w", buffering=1)  # noqa: SIM115
     sys.path[:0] = [str(SCRIPTS), str(ROOT)]
     sys.argv = [script, *argv]
     runpy.run_path(script, run_name="__main__")
