@@ -48,8 +48,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from topologies import bench_partition, bench_sweep
+from topologies.bench_partition import CpuPartition, PartitionError
+from topologies.bench_sweep import SWEEP_PEERS, SweepError
 from topologies.demo import DemoConfig, DemoError, DemoRun, Observer, RunSeries
 from topologies.launcher import LaunchConfig
+from topologies.runstate import RunState, RunStateError
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ class System:
     transport: str
     """``gloo`` or ``checkmate-udp`` (Checkmate's transport and ring all-reduce)."""
     checkpoint: str
-    """none | checkmate | host-replication | torch-save | dcp-async"""
+    """none | checkmate | host-replication | torch-save | checkfreq | dcp-async | dcp-process"""
     every: int | None
     """Checkpoint after every ``every``-th iteration (None: never)."""
 
@@ -109,6 +113,35 @@ def systems_for(k: int) -> dict[str, System]:
         System(f"dcp-async-{k}", f"DCP async_save every {k} iterations", GLOO, "dcp-async", k),
     ]  # fmt: skip
     return {s.name: s for s in found}
+
+
+BASELINE_KINDS = ("torch-save", "checkfreq", "dcp-async", "dcp-process")
+"""Checkpointing done by train_lm itself (``--checkpoint KIND``)."""
+
+_PEER_DESCRIPTIONS = {
+    "torch-save": "rank 0 torch.save",
+    "checkfreq": "CheckFreq-style: rank 0 snapshots to CPU memory, a background thread persists",
+    "dcp-async": "DCP async_save (thread)",
+    "dcp-process": "DCP async_save, AsyncCheckpointerType.PROCESS, use_collectives=False",
+}
+
+
+def peer_system(peer: str, k: int) -> System:
+    """A baseline peer checkpointing after every ``k``-th iteration, over gloo."""
+    when = "every iteration" if k == 1 else f"every {k} iterations"
+    return System(f"{peer}-{k}", f"{_PEER_DESCRIPTIONS[peer]} {when}", GLOO, peer, k)
+
+
+def all_systems(k: int, sweep_ks: Sequence[int] = ()) -> dict[str, System]:
+    """:func:`systems_for` plus the CheckFreq-style and DCP-process peers at 1 and ``k``, and the sweep."""
+    found = dict(systems_for(k))
+    for peer in ("checkfreq", "dcp-process"):
+        for every in (1, k):
+            found.setdefault(f"{peer}-{every}", peer_system(peer, every))
+    for peer in SWEEP_PEERS:
+        for every in sweep_ks:
+            found.setdefault(f"{peer}-{every}", peer_system(peer, every))
+    return found
 
 
 # ---- figures from the workers' logs (pure) --------------------------------------------------
@@ -234,7 +267,7 @@ def figures(records: Sequence[Mapping[str, Any]], system: System, warmup: int) -
     delay: float | None = None
     count = 0
     lag: dict[str, float] | None = None
-    if system.checkpoint in ("torch-save", "dcp-async"):
+    if system.checkpoint in BASELINE_KINDS:
         delays = checkpoint_delays(records, times, step)
         count = len(delays)
         delay = statistics.fmean(delays) if delays else None
@@ -373,8 +406,72 @@ def update_docs_table(path: Path, table: str, header: str) -> bool:
     begin, end = text.find(TABLE_BEGIN), text.find(TABLE_END)
     if begin < 0 or end < begin:
         return False
-    path.write_text(text[: begin + len(TABLE_BEGIN)] + "\n" + header + "\n\n" + table + text[end:])
+    atomic_write_text(path, text[: begin + len(TABLE_BEGIN)] + "\n" + header + "\n\n" + table + text[end:])
     return True
+
+
+# ---- workloads, topology, atomic files ------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    """A model and batch for train_lm: TinyLM as the demo trains it, or a large-state one."""
+
+    name: str
+    description: str
+    model_args: tuple[str, ...]
+    per_worker_batch: int
+    iterations: int
+    """Iterations per run unless --iterations says otherwise."""
+
+
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload("tinylm", "TinyLM (topologies/examples/tiny_lm.py: width 64, 2 layers, ~0.1M parameters), "
+                 "16 samples of 64 bytes per worker, AdamW", (), 16, 150),
+        Workload("large-state", "TinyLM widened to width 768, 3 layers, 12 heads (~21.7M parameters, "
+                 "~260 MB of parameters + AdamW state), 1 sample of 32 bytes per worker, 8 MB buckets",
+                 ("--width", "768", "--layers", "3", "--heads", "12", "--context", "32",
+                  "--bucket-cap-mb", "8"), 1, 30),
+        Workload("medium", "TinyLM at width 256, 4 layers, 8 heads (~3.2M parameters), 4 samples of 64 bytes "
+                 "per worker, 2 MB buckets (the scaling sweep's middle size)",
+                 ("--width", "256", "--layers", "4", "--heads", "8", "--bucket-cap-mb", "2"), 4, 60),
+    )
+}  # fmt: skip
+PLACEMENTS = ("partitioned", "colocated")
+MIN_WORKERS, MAX_WORKERS = 2, 6
+TOPOLOGY = REPO / "topologies" / "single.json"
+
+
+def worker_names(count: int) -> tuple[str, ...]:
+    return tuple(f"h{i}" for i in range(1, count + 1))
+
+
+def scaled_topology(base: Mapping[str, Any], workers: int) -> dict[str, Any]:
+    """``base`` (single.json) with worker hosts added up to ``workers`` (h5, h6 on new switch ports)."""
+    data = json.loads(json.dumps(base))
+    hosts = data["hosts"]
+    switch = next(iter(data["switches"]))
+    used = [int(end.rsplit("-p", 1)[1]) for link in data["links"] for end in link[:2] if "-p" in str(end)]
+    port = max(used, default=0)
+    for i in range(1, workers + 1):
+        name = f"h{i}"
+        if name in hosts:
+            continue
+        hosts[name] = {"ip": f"10.0.1.{i}/8", "mac": f"08:00:00:00:01:{i:02x}", "role": "worker"}
+        port += 1
+        data["links"].append([name, f"{switch}-p{port}"])
+    return data
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``path`` so that readers (and an interrupted run) never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(text)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 # ---- running it -----------------------------------------------------------------------------
@@ -396,9 +493,19 @@ class BenchConfig:
     model_args: tuple[str, ...] = ()
     train_timeout: float = 600.0
     command: str = "make bench"
+    workers: int = 3
+    workload: str = "tinylm"
+    placement: str = "colocated"
+    """partitioned: workers on ``partition.workers``, everything else on ``partition.infrastructure``."""
+    partition: CpuPartition | None = None
+    sweep_ks: tuple[int, ...] = ()
+    """Checkpoint intervals swept for each of SWEEP_PEERS (run in the partitioned placement only)."""
+
+    def known(self) -> dict[str, System]:
+        return all_systems(self.k, self.sweep_ks)
 
     def selected(self) -> list[System]:
-        known = systems_for(self.k)
+        known = self.known()
         names = list(self.systems) or list(known)
         unknown = [n for n in names if n not in known]
         if unknown:
@@ -414,9 +521,12 @@ class BenchResult:
     switch_copies: dict[str, int | None] = field(default_factory=dict)
     machine: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    placement: dict[str, Any] = field(default_factory=dict)
+    """System -> the CPU lists read back from /proc while it ran (role -> processes)."""
+    placement_problems: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
-        known = systems_for(self.config.k)
+        known = self.config.known()
         ideals: dict[str, float | None] = {
             name: statistics.fmean(f.iterations_per_s for f in self.runs[name])
             if self.runs.get(name)
@@ -427,19 +537,31 @@ class BenchResult:
         for name, copies in self.switch_copies.items():
             if name in entries:
                 entries[name]["switch_shadow_copies_packets"] = copies
+        workload = WORKLOADS.get(self.config.workload)
+        partition = self.config.partition
         return {
             "systems": list(entries.values()),
             "targets": targets(entries),
+            "sweep": bench_sweep.analyse(entries.values()),
             "errors": self.errors,
+            "cpu_placement": {
+                "mode": self.config.placement,
+                "partition": partition.as_json() if partition is not None else None,
+                "observed": self.placement,
+                "problems": self.placement_problems,
+            },
             "settings": {
-                "workers": 3,
+                "workload": self.config.workload,
+                "workers": self.config.workers,
                 "shadows": 2,
                 "iterations_per_run": self.config.iterations,
                 "warmup_iterations_skipped": self.config.warmup,
                 "k": self.config.k,
                 "rounds": self.config.rounds,
                 "global_batch": self.config.global_batch,
-                "model": "TinyLM (topologies/examples/tiny_lm.py), AdamW, train_lm.py defaults",
+                "model": workload.description if workload else self.config.workload,
+                "model_args": list(self.config.model_args),
+                "sweep_k": list(self.config.sweep_ks),
                 "network": f"topologies/single.json on the {self.config.target} target (Mininet)",
             },
             "machine": self.machine,
@@ -477,12 +599,20 @@ class BenchRun(DemoRun):
     def __init__(self, config: BenchConfig, observer: Observer | None = None) -> None:
         self.bench = config
         self.renamer = _Renamer(observer or Observer())
+        topology = TOPOLOGY
+        workers = worker_names(config.workers)
+        base = json.loads(TOPOLOGY.read_text())
+        if any(w not in base["hosts"] for w in workers):
+            topology = config.work_dir.resolve() / f"topology-{config.workers}-workers.json"
+            atomic_write_text(topology, json.dumps(scaled_topology(base, config.workers), indent=2))
         demo = DemoConfig(
             iterations=config.iterations,
             kill_iteration=None,
             reference=False,
+            workers=workers,
             global_batch=config.global_batch,
             model_args=config.model_args,
+            topology=topology,
             rename_switches=config.rename_switches,
             target=config.target,
             work_dir=config.work_dir,
@@ -494,12 +624,20 @@ class BenchRun(DemoRun):
         self.base_log_dir = self.log_dir
         self._system: System | None = None
         self._job_at_switch = False
+        self._result: BenchResult | None = None
+        self._sampled = False
 
     def run_all(self) -> BenchResult:
         started = time.monotonic()
         result = BenchResult(self.bench, machine=machine_info())
+        self._result = result
         systems = self.bench.selected()
+        partition = self.bench.partition if self.bench.placement == "partitioned" else None
+        own_mask = bench_partition.available_cpus()
         try:
+            if partition is not None:
+                # the supervisor, switch, host shells and shadows are started from here: they inherit it
+                bench_partition.pin_process(0, partition.infrastructure)
             self._prepare()
             self._network_up_step()
             self._add_job()
@@ -516,13 +654,67 @@ class BenchRun(DemoRun):
                     result.runs.setdefault(system.name, []).append(figs)
         finally:
             self._teardown()
+            if partition is not None:
+                bench_partition.pin_process(0, own_mask)
             result.machine["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
             result.seconds = time.monotonic() - started
         return result
 
+    def _run_iterations(self, system: System) -> int:
+        """Iterations for ``system``: enough for at least 3 of its checkpoints after the warmup."""
+        every = system.every or 1
+        return max(self.bench.iterations, self.bench.warmup + 3 * every + 2)
+
+    def _show_progress(self, series: RunSeries, phase: str, incarnation: int, record: dict[str, Any]) -> None:
+        super()._show_progress(series, phase, incarnation, record)
+        if not self._sampled and int(record.get("iteration", -1)) >= self.bench.warmup:
+            self._sampled = True
+            try:
+                self._sample_placement()
+            except (OSError, ValueError) as exc:  # a process that ended while being read
+                logger.warning("reading back the CPU placement: %s", exc)
+
+    def _placement_roles(self) -> dict[str, list[int]]:
+        """The pids of what runs now: workers, shadows, switch, supervisor (and host shells), this process."""
+        roles: dict[str, list[int]] = {
+            "workers": [],
+            "shadows": [],
+            "switch": [],
+            "supervisor": [],
+            "bench": [],
+        }
+        for rank in range(len(self.config.workers)):
+            for record in read_log(self.log_dir / f"rank{rank}.jsonl"):
+                if record.get("event") == "start" and isinstance(record.get("pid"), int):
+                    roles["workers"].append(int(record["pid"]))
+                    break
+        children = bench_partition.children_map()
+        for process in self._shadows.values():
+            roles["shadows"] += [process.pid, *bench_partition.descendants(process.pid, children)]
+        try:
+            state = RunState.load(self.net_dir)
+            roles["switch"] = [record.pid for record in state.switches.values()]
+            roles["supervisor"] = [state.supervisor_pid, *(h.pid for h in state.hosts.values())]
+        except RunStateError as exc:
+            logger.warning("no network state to read back the placement from: %s", exc)
+        roles["bench"] = [os.getpid()]
+        return roles
+
+    def _sample_placement(self) -> None:
+        result, system = self._result, self._system
+        if result is None or system is None or system.name in result.placement:
+            return
+        observed = bench_partition.read_back(self._placement_roles())
+        result.placement[system.name] = observed
+        partition = self.bench.partition
+        if self.bench.placement == "partitioned" and partition is not None:
+            problems = bench_partition.check_placement(observed, partition)
+            result.placement_problems += [f"{system.name}: {p}" for p in problems]
+
     def _run_system(self, system: System, round_number: int, result: BenchResult) -> LogFigures:
         self._system = system
         self.renamer.current = f"{system.name} ({round_number + 1}/{self.bench.rounds})"
+        self._sampled = False
         self.log_dir = self.base_log_dir / f"round{round_number + 1}-{system.name}"
         shutil.rmtree(self.log_dir, ignore_errors=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -555,7 +747,8 @@ class BenchRun(DemoRun):
         env = dict(launch.env)
         if system.transport == GLOO:
             extra.append("--no-checkmate")
-        if system.checkpoint in ("torch-save", "dcp-async"):
+        extra += ["--iterations", str(self._run_iterations(system))]  # the last --iterations counts
+        if system.checkpoint in BASELINE_KINDS:
             assert system.every is not None
             checkpoints = self.work / "checkpoints" / system.name
             shutil.rmtree(checkpoints, ignore_errors=True)
@@ -564,7 +757,13 @@ class BenchRun(DemoRun):
         if system.checkpoint == "host-replication" or system.name == "ideal-cm-transport":
             # host mode never tags; without shadows in the job file it copies nothing either
             env["CHECKMATE_REPLICATION"] = "host"
-        return replace(launch, command=(*launch.command, *extra), env=env)
+        command = (*launch.command, *extra)
+        if self.bench.placement == "partitioned" and self.bench.partition is not None:
+            command = (
+                *bench_partition.exec_prefix(self.bench.partition.workers, self.config.python),
+                *command,
+            )
+        return replace(launch, command=command, env=env)
 
 
 # ---- outputs --------------------------------------------------------------------------------
@@ -630,11 +829,9 @@ def write_outputs(result: BenchResult) -> dict[str, Any]:
     summary = result.summary()
     config = result.config
     if config.json_out is not None:
-        config.json_out.parent.mkdir(parents=True, exist_ok=True)
-        config.json_out.write_text(json.dumps(summary, indent=2) + "\n")
+        atomic_write_text(config.json_out, json.dumps(summary, indent=2) + "\n")
     if config.png_out is not None and summary["systems"]:
-        config.png_out.parent.mkdir(parents=True, exist_ok=True)
-        plot(summary, config.png_out)
+        atomic_plot(summary, config.png_out)
     if config.docs is not None and summary["systems"]:
         machine = summary["machine"]
         settings = summary["settings"]
@@ -650,11 +847,151 @@ def write_outputs(result: BenchResult) -> dict[str, Any]:
     return summary
 
 
+def atomic_plot(summary: Mapping[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        plot(summary, temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def suite_summary(summaries: Sequence[Mapping[str, Any]], command: str, seconds: float) -> dict[str, Any]:
+    """bench.json of a whole ``make bench``: every (workload, placement) run, the first one also at the top.
+
+    The top-level ``systems``/``targets``/``sweep`` are the first run's (TinyLM, partitioned, by default),
+    as the single-run file had them.
+    """
+    if not summaries:
+        raise BenchError("no run to summarise")
+    first = summaries[0]
+    out = dict(first)
+    out["runs"] = [
+        {"workload": s["settings"]["workload"], "placement": s["cpu_placement"]["mode"], **s}
+        for s in summaries
+    ]
+    out["errors"] = {
+        f"{s['settings']['workload']}/{s['cpu_placement']['mode']}: {name}": error
+        for s in summaries
+        for name, error in s["errors"].items()
+    }
+    out["command"] = command
+    out["seconds"] = round(seconds, 1)
+    return out
+
+
+def placement_table(summaries: Sequence[Mapping[str, Any]], workload: str) -> str:
+    """One workload's systems: the partitioned figures, with the co-located ones as a second column."""
+    runs = {s["cpu_placement"]["mode"]: s for s in summaries if s["settings"]["workload"] == workload}
+    names: list[str] = []
+    for run in runs.values():
+        names += [e["name"] for e in run["systems"] if e["name"] not in names]
+
+    def cell(mode: str, name: str) -> str:
+        entry = next((e for e in runs.get(mode, {}).get("systems", []) if e["name"] == name), None)
+        if entry is None:
+            return "— | — | —"
+        ratio = "—" if entry["ratio_to_ideal"] is None else f"{entry['ratio_to_ideal']:.3f}"
+        gloo = "—" if entry["ratio_to_gloo_ideal"] is None else f"{entry['ratio_to_gloo_ideal']:.3f}"
+        return f"{entry['iterations_per_s']:.2f} | {ratio} | {gloo}"
+
+    lines = [
+        "| system | every | partitioned: iterations/s | ratio to same-transport ideal | "
+        "ratio to gloo ideal | "
+        "co-located: iterations/s | ratio to same-transport ideal | ratio to gloo ideal |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    known = {e["name"]: e for run in runs.values() for e in run["systems"]}
+    for name in names:
+        every = known[name]["checkpoint_every"]
+        lines.append(
+            f"| {name} | {'never' if every is None else every} | {cell('partitioned', name)} | "
+            f"{cell('colocated', name)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def suite_markdown(summary: Mapping[str, Any]) -> str:
+    """docs/benchmarks.md's generated section: per workload the placement table and the k sweep."""
+    runs = summary["runs"]
+    parts: list[str] = []
+    for workload in dict.fromkeys(r["workload"] for r in runs):
+        mine = [r for r in runs if r["workload"] == workload]
+        parts.append(f"**{workload}** — {mine[0]['settings']['model']}\n\n" + placement_table(mine, workload))
+        for run in mine:
+            if any(k != "checkmate" for k in run.get("sweep", {})):
+                parts.append(
+                    f"Checkpoint interval sweep ({workload}, {run['placement']}, k in "
+                    f"{run['settings']['sweep_k']}):\n\n" + bench_sweep.markdown(run["sweep"])
+                )
+            if run["cpu_placement"]["problems"]:
+                parts.append(
+                    f"CPU placement problems ({workload}, {run['placement']}): "
+                    + "; ".join(run["cpu_placement"]["problems"][:5])
+                )
+    return "\n".join(parts)
+
+
+def write_suite(
+    summaries: Sequence[Mapping[str, Any]], config: BenchConfig, seconds: float
+) -> dict[str, Any]:
+    """Write the combined bench.json, the first run's chart and the docs section (each file atomically)."""
+    summary = suite_summary(summaries, config.command, seconds)
+    if config.json_out is not None:
+        atomic_write_text(config.json_out, json.dumps(summary, indent=2) + "\n")
+    if config.png_out is not None and summary["systems"]:
+        atomic_plot(summary, config.png_out)
+    if config.docs is not None and summary["systems"]:
+        machine, settings = summary["machine"], summary["settings"]
+        partition = summary["cpu_placement"]["partition"]
+        header = (
+            f"Measured by `{summary['command']}` on {machine.get('cores')} cores ({machine.get('cpu')}), "
+            f"{machine.get('memory_gib')} GiB, torch {machine.get('torch')}; {settings['workers']} workers; "
+            f"{settings['rounds']} round(s) x >= {settings['iterations_per_run']} iterations per system, "
+            "first "
+            f"{settings['warmup_iterations_skipped']} skipped, k = {settings['k']}; partition "
+            f"{json.dumps(partition)}; load average {machine.get('load_average_at_start')} "
+            "at the start of the "
+            f"first run; {summary['seconds']} s in all."
+        )
+        update_docs_table(config.docs, suite_markdown(summary), header)
+    return summary
+
+
 # ---- the command line -----------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     defaults = BenchConfig()
     parser = argparse.ArgumentParser(prog="python -m topologies.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=defaults.iterations, help="iterations per run")
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        help="iterations per run (default per workload: "
+        + ", ".join(f"{w.name} {w.iterations}" for w in WORKLOADS.values())
+        + "); a sweep run gets at least warmup + 3k + 2",
+    )
+    parser.add_argument(
+        "--workloads", default="tinylm,large-state", help=f"comma-separated, of {', '.join(WORKLOADS)}"
+    )
+    parser.add_argument(
+        "--placement",
+        default="partitioned,colocated",
+        help="comma-separated, of partitioned (workers on --worker-cpus, switch + shadows + supervisor + "
+        "this process on --infra-cpus) and colocated (no pinning); the first one also runs the k sweep",
+    )
+    parser.add_argument("--worker-cpus", default=None, help="CPU list for the workers (default: first half)")
+    parser.add_argument(
+        "--infra-cpus", default=None, help="CPU list for switch, shadows, supervisor (default: the rest)"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=defaults.workers, help=f"DDP workers ({MIN_WORKERS}-{MAX_WORKERS})"
+    )
+    parser.add_argument(
+        "--sweep-k",
+        default="1,2,4,8,16",
+        help=f"checkpoint intervals swept for {', '.join(SWEEP_PEERS)} ('' for no sweep)",
+    )
     parser.add_argument(
         "--warmup", type=int, default=defaults.warmup, help="first iterations left out of the rates"
     )
@@ -683,25 +1020,80 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _names(text: str, known: Sequence[str], option: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    if not names:
+        raise BenchError(f"{option}: nothing given (known: {', '.join(known)})")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise BenchError(f"{option}: unknown {unknown} (known: {', '.join(known)})")
+    return names
+
+
 def config_from(args: argparse.Namespace, command: str) -> BenchConfig:
+    """The first run's configuration, every option checked (BenchError: refused before anything starts)."""
+    return plan_from(args, command)[0]
+
+
+def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
+    """One configuration per (workload, placement), in run order; refuses bad options with a clear message."""
     systems = tuple(s.strip().replace("K", str(args.k)) for s in args.systems.split(",") if s.strip())
-    if args.iterations <= args.warmup + 2:
+    workloads = _names(args.workloads, list(WORKLOADS), "--workloads")
+    placements = _names(args.placement, PLACEMENTS, "--placement")
+    if not MIN_WORKERS <= args.workers <= MAX_WORKERS:
+        raise BenchError(f"--workers must be {MIN_WORKERS} to {MAX_WORKERS}, got {args.workers}")
+    if args.warmup < 0:
+        raise BenchError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.iterations is not None and args.iterations <= args.warmup + 2:
         raise BenchError(f"--iterations ({args.iterations}) must exceed --warmup ({args.warmup}) + 2")
-    if args.k < 1 or args.rounds < 1:
-        raise BenchError("--k and --rounds must be >= 1")
-    return BenchConfig(
-        iterations=args.iterations,
-        warmup=args.warmup,
-        k=args.k,
-        rounds=args.rounds,
-        systems=systems,
-        work_dir=args.work_dir,
-        json_out=args.json,
-        png_out=args.png,
-        docs=None if args.no_docs else args.docs,
-        target=args.target,
-        command=command,
-    )
+    if args.iterations is not None and args.iterations > 100_000:
+        raise BenchError(f"--iterations ({args.iterations}) is out of range (at most 100000)")
+    if not 1 <= args.k <= bench_sweep.MAX_SWEEP_K or not 1 <= args.rounds <= 100:
+        raise BenchError(f"--k must be 1 to {bench_sweep.MAX_SWEEP_K} and --rounds 1 to 100")
+    try:
+        sweep_ks = bench_sweep.parse_k_list(args.sweep_k)
+    except SweepError as exc:
+        raise BenchError(str(exc)) from None
+    partition = None
+    if "partitioned" in placements:
+        try:
+            partition = bench_partition.make_partition(args.worker_cpus, args.infra_cpus)
+        except PartitionError as exc:
+            raise BenchError(f"--worker-cpus/--infra-cpus: {exc}") from None
+    elif args.worker_cpus is not None or args.infra_cpus is not None:
+        raise BenchError("--worker-cpus/--infra-cpus need --placement partitioned")
+    plan: list[BenchConfig] = []
+    for name in workloads:
+        workload = WORKLOADS[name]
+        iterations = args.iterations if args.iterations is not None else workload.iterations
+        if iterations <= args.warmup + 2:
+            raise BenchError(f"{name}: {iterations} iterations must exceed --warmup ({args.warmup}) + 2")
+        for placement in placements:
+            plan.append(
+                BenchConfig(
+                    iterations=iterations,
+                    warmup=args.warmup,
+                    k=args.k,
+                    rounds=args.rounds,
+                    systems=systems,
+                    work_dir=args.work_dir,
+                    json_out=args.json,
+                    png_out=args.png,
+                    docs=None if args.no_docs else args.docs,
+                    target=args.target,
+                    command=command,
+                    workers=args.workers,
+                    workload=name,
+                    placement=placement,
+                    partition=partition if placement == "partitioned" else None,
+                    sweep_ks=sweep_ks if placement == placements[0] else (),
+                    global_batch=workload.per_worker_batch * args.workers,
+                    model_args=workload.model_args,
+                )
+            )
+    for config in plan:
+        config.selected()  # unknown --systems names are refused here
+    return plan
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -721,11 +1113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         command = " ".join(["python -m topologies.bench", *given])
     try:
-        config = config_from(args, command)
-        config.selected()
+        plan = plan_from(args, command)
     except BenchError as exc:
         console.print(f"[red]{exc}")
         return 2
+    config = plan[0]
     if os.geteuid() != 0:
         console.print(
             "[red]make bench needs root[/]: it builds the demo's emulated network (Mininet). "
@@ -737,28 +1129,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    names = [s.name for s in config.selected()]
-    console.print(
-        f"[bold]Checkmate benchmark[/]: {len(names)} systems x {config.rounds} round(s) x "
-        f"{config.iterations} iterations, 3 workers, TinyLM: {', '.join(names)}"
-    )
+    started = time.monotonic()
+    summaries: list[dict[str, Any]] = []
     try:
-        with RichObserver() as observer:
-            result = BenchRun(config, observer).run_all()
+        for part in plan:
+            names = [s.name for s in part.selected()]
+            where = (
+                f"partitioned {json.dumps(part.partition.as_json())}"
+                if part.partition is not None
+                else "co-located"
+            )
+            console.print(
+                f"[bold]Checkmate benchmark[/] ({part.workload}, {where}): {len(names)} systems x "
+                f"{part.rounds} round(s) x >= {part.iterations} iterations, {part.workers} workers: "
+                + ", ".join(names)
+            )
+            with RichObserver() as observer:
+                summaries.append(BenchRun(part, observer).run_all().summary())
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/]: workers and shadows stopped, the network taken down.")
+        console.print(
+            "[yellow]interrupted[/]: workers and shadows stopped, the network taken down, no results written."
+        )
         return 130
     except (DemoError, BenchError) as exc:
-        console.print(f"[red]benchmark failed[/]: {exc}")
+        console.print(f"[red]benchmark failed[/]: {exc} (no results written)")
         return 1
-    summary = write_outputs(result)
-    console.print(Markdown(markdown_table(summary["systems"])))
+    summary = write_suite(summaries, config, time.monotonic() - started)
+    console.print(Markdown(suite_markdown(summary)))
     for key, value in summary["targets"].items():
         console.print(f"{key}: {json.dumps(value)}")
     for name, error in summary["errors"].items():
         console.print(f"[red]{name} failed[/]: {error[:500]}")
+    for run in summary["runs"]:
+        for problem in run["cpu_placement"]["problems"]:
+            console.print(f"[red]CPU placement[/] ({run['workload']}): {problem}")
     console.print(f"wrote {config.json_out} and {config.png_out} ({summary['seconds']} s)")
-    return 0 if not summary["errors"] else 1
+    failed = summary["errors"] or any(run["cpu_placement"]["problems"] for run in summary["runs"])
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---- baseline checkpointing (what users do today; topologies/bench.py compares it) ------------
-CHECKPOINT_KINDS = ("none", "torch-save", "dcp-async")
+CHECKPOINT_KINDS = ("none", "torch-save", "checkfreq", "dcp-async", "dcp-process")
 
 
 def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
@@ -116,7 +117,10 @@ def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="torch-save: rank 0 torch.save()s model + optimizer state dicts to a temporary file, "
         "fsyncs and renames it; dcp-async: every rank calls torch.distributed.checkpoint.async_save "
-        "on a separate gloo group, after waiting for the previous save",
+        "on a separate gloo group, after waiting for the previous save; checkfreq: rank 0 copies the state "
+        "to CPU memory (CheckFreq's snapshot) and a background thread persists it like torch-save, the "
+        "next snapshot waiting for the previous persist; dcp-process: dcp-async with "
+        "AsyncCheckpointerType.PROCESS and use_collectives=False",
     )
     group.add_argument(
         "--checkpoint-every", type=int, default=1, metavar="K", help="after every K-th iteration"
@@ -155,8 +159,9 @@ class BaselineCheckpointer:
         self._group: Any = None
         if kind != "none":
             self.directory.mkdir(parents=True, exist_ok=True)
-        if kind == "dcp-async":
+        if kind in ("dcp-async", "dcp-process"):
             self._group = dist.new_group(backend="gloo")  # async saves stay off the training group
+        self._persist: threading.Thread | None = None
 
     def after_step(self, iteration: int) -> None:
         self._report()
@@ -178,6 +183,21 @@ class BaselineCheckpointer:
                     os.fsync(f.fileno())
                 os.replace(temporary, target)
                 self._done.append((iteration, started, time.time()))
+        elif self.kind == "checkfreq":
+            if self.rank == 0:
+                self._join_persist()  # CheckFreq: a snapshot waits for the previous persist
+                snapshot = {
+                    "iteration": iteration,
+                    "model": _cloned(self.module.state_dict()),
+                    "optimizer": _cloned(self.optimizer.state_dict()),
+                }
+                self._persist = threading.Thread(
+                    target=self._write,
+                    args=(snapshot, iteration, started),
+                    name="checkfreq-persist",
+                    daemon=True,
+                )
+                self._persist.start()
         else:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -187,10 +207,16 @@ class BaselineCheckpointer:
             model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
             slot = self.directory / f"dcp-{self._saves % 2}"  # the other slot holds the last complete one
             self._saves += 1
+            options: dict[str, Any] = {}
+            if self.kind == "dcp-process":
+                from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+                options = {"async_checkpointer_type": AsyncCheckpointerType.PROCESS, "use_collectives": False}
             response = dcp.async_save(
                 {"model": model_state, "optimizer": optimizer_state, "iteration": iteration},
                 checkpoint_id=str(slot),
                 process_group=self._group,
+                **options,
             )
             future: Any = getattr(response, "upload_completion", response)
             done = self._done
@@ -204,11 +230,41 @@ class BaselineCheckpointer:
                 event="checkpoint", kind=self.kind, iteration=iteration, started=started, durable=durable
             )
 
+    def _write(self, state: dict[str, Any], iteration: int, started: float) -> None:
+        """Persist a snapshot: temporary file, fsync, rename (the checkfreq thread)."""
+        target = self.directory / "checkpoint.pt"
+        temporary = target.with_suffix(".pt.tmp")
+        with open(temporary, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, target)
+        self._done.append((iteration, started, time.time()))
+
+    def _join_persist(self) -> None:
+        if self._persist is not None:
+            self._persist.join(timeout=600)
+            if self._persist.is_alive():
+                raise RuntimeError("the checkfreq persist thread did not finish within 600 s")
+            self._persist = None
+
     def close(self) -> None:
         if self._future is not None:
             self._future.result()
             self._future = None
+        self._join_persist()
         self._report()
+
+
+def _cloned(value: Any) -> Any:
+    """A deep copy of a state dict's tensors (the snapshot in CPU memory), other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(v) for v in value)
+    return value
 
 
 def config_from(args: argparse.Namespace) -> TrainConfig:
