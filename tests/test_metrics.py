@@ -35,7 +35,7 @@ from tests.hosts.harness import run_ranks
 from tests.shadow.copy_tap import CopyFaults
 
 JOB_ID = 23
-STEPS = 12
+STEPS = 30  # long enough (>= 3 s) that the shadows apply while the job runs, not only after it
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -74,6 +74,7 @@ def _train(
     from tests.shadow.copy_tap import CopyTap
 
     os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    os.environ["CHECKMATE_BIND"] = f"127.0.0.{80 + rank}:48879"  # not the default .10/.11 other tests use
     if rank != 0:
         os.environ.pop("CHECKMATE_METRICS_PORT", None)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
