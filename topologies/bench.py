@@ -542,7 +542,7 @@ class BenchResult:
         return {
             "systems": list(entries.values()),
             "targets": targets(entries),
-            "sweep": bench_sweep.analyse(entries.values()),
+            "sweep": bench_sweep.analyse(entries.values()) if self.config.sweep_ks else {},
             "errors": self.errors,
             "cpu_placement": {
                 "mode": self.config.placement,
@@ -683,12 +683,13 @@ class BenchRun(DemoRun):
             "supervisor": [],
             "bench": [],
         }
+        children = bench_partition.children_map()
         for rank in range(len(self.config.workers)):
             for record in read_log(self.log_dir / f"rank{rank}.jsonl"):
                 if record.get("event") == "start" and isinstance(record.get("pid"), int):
-                    roles["workers"].append(int(record["pid"]))
+                    pid = int(record["pid"])
+                    roles["workers"] += [pid, *bench_partition.descendants(pid, children)]
                     break
-        children = bench_partition.children_map()
         for process in self._shadows.values():
             roles["shadows"] += [process.pid, *bench_partition.descendants(process.pid, children)]
         try:
@@ -708,7 +709,8 @@ class BenchRun(DemoRun):
         result.placement[system.name] = observed
         partition = self.bench.partition
         if self.bench.placement == "partitioned" and partition is not None:
-            problems = bench_partition.check_placement(observed, partition)
+            required = ("workers", "switch", "supervisor", "bench", *(("shadows",) if self._shadows else ()))
+            problems = bench_partition.check_placement(observed, partition, required)
             result.placement_problems += [f"{system.name}: {p}" for p in problems]
 
     def _run_system(self, system: System, round_number: int, result: BenchResult) -> LogFigures:
@@ -920,7 +922,7 @@ def suite_markdown(summary: Mapping[str, Any]) -> str:
         mine = [r for r in runs if r["workload"] == workload]
         parts.append(f"**{workload}** — {mine[0]['settings']['model']}\n\n" + placement_table(mine, workload))
         for run in mine:
-            if any(k != "checkmate" for k in run.get("sweep", {})):
+            if run["settings"].get("sweep_k") and any(k != "checkmate" for k in run.get("sweep", {})):
                 parts.append(
                     f"Checkpoint interval sweep ({workload}, {run['placement']}, k in "
                     f"{run['settings']['sweep_k']}):\n\n" + bench_sweep.markdown(run["sweep"])

@@ -250,14 +250,21 @@ def read_back(roles: Mapping[str, Sequence[int]]) -> dict[str, list[dict[str, An
 
 
 def check_placement(
-    observed: Mapping[str, Sequence[Mapping[str, Any]]], partition: CpuPartition
+    observed: Mapping[str, Sequence[Mapping[str, Any]]],
+    partition: CpuPartition,
+    required: Iterable[str] = ("workers",),
 ) -> list[str]:
-    """What ran outside its set: one line per process (empty: the partition held)."""
+    """What ran outside its set: one line per process (empty: the partition held).
+
+    ``workers`` (and their descendants, e.g. DCP's checkpoint process) must be on the worker set;
+    every other role on the infrastructure set. A ``required`` role with no process is a problem.
+    """
     problems: list[str] = []
+    for role in required:
+        if not observed.get(role):
+            problems.append(f"no {role} process was found to check")
     for role, processes in observed.items():
         expected = partition.workers if role == "workers" else partition.infrastructure
-        if not processes:
-            problems.append(f"no {role} process was found to check")
         for process in processes:
             lists = [process["cpus_allowed_list"], *process.get("threads_cpus_allowed_lists", [])]
             for text in lists:
@@ -297,13 +304,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("no command given after --")
     try:
         cpus = parse_cpu_list(args.cpus)
-        missing = cpus - available_cpus()
-        if missing:
-            raise PartitionError(f"CPUs {format_cpu_list(missing)} are not available here")
+        # not checked against this process's own mask: a parent pinned elsewhere may start us
+        os.sched_setaffinity(0, cpus)
     except PartitionError as exc:
         print(f"bench_partition: {exc}", file=sys.stderr)
         return 2
-    os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        print(f"bench_partition: cannot run on CPUs {args.cpus}: {exc}", file=sys.stderr)
+        return 2
     try:
         os.execvp(command[0], command)
     except OSError as exc:
