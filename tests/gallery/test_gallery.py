@@ -44,9 +44,9 @@ ROOT = Path(__file__).resolve().parents[2]
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "numpy", "torch.distributed", "hosts.ddp"])
 JOB_ID = 31
-WORKER_HOST = 70
-"""Rank r binds 127.0.0.(70 + r), shadow i 127.0.0.(72 + i): addresses no other test uses."""
-SHADOW_HOST = 72
+WORKER_HOST = 160
+"""Rank r binds 127.0.0.(160 + r), shadow i 127.0.0.(162 + i): addresses no other test uses."""
+SHADOW_HOST = 162
 
 
 def _rank_main(script: str, argv: list[str], env: dict[str, str]) -> None:
