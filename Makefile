@@ -6,7 +6,7 @@
 #   make p4-tofino  compile p4src/tna/ with the open-source Tofino compiler into build/tofino/ (TOFINO_TARGET=tofino2)
 #   make lint    ruff + mypy
 #   make bench   the checkpointing systems side by side (root; results/bench.json, docs/benchmarks.md)
-#   make bench-switch / bench-hosts / bench-shadow   component benchmarks (switch and hosts need root)
+#   make bench-switch / bench-hosts / bench-shadow / bench-scaling   component and scaling benchmarks (root but shadow)
 #   make reliability / make soak   the reliability suite (quick / with soak cases) -> docs/reliability.md
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -25,7 +25,7 @@ BUILD := build
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: help setup system-packages test demo p4 p4-tofino lint bench bench-switch bench-hosts bench-shadow reliability soak clean
+.PHONY: help setup system-packages test demo p4 p4-tofino lint bench bench-scaling bench-switch bench-hosts bench-shadow reliability soak clean
 
 help:
 	@sed -n '1,10p' Makefile | sed 's/^# \{0,1\}//'
@@ -102,6 +102,10 @@ bench: setup
 	  exit 1; \
 	fi
 	$(PY) -m topologies.bench $(BENCH_ARGS)
+
+bench-scaling: setup
+	@if [ "$$(id -u)" != 0 ]; then echo "make bench-scaling: needs root (the emulated network)"; exit 1; fi
+	$(PY) -m topologies.bench_scaling $(BENCH_ARGS)
 
 bench-switch: setup
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench-switch: needs root (network namespaces)"; exit 1; fi
