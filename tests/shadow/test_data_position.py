@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import tempfile
 import threading
 from collections.abc import Iterator
