@@ -346,7 +346,7 @@ CHECKPOINT_CASES: dict[str, tuple[Callable[[Path], object], str]] = {
     "bit flip in the shard file's header": (lambda d: _flip(d / f"{S1}.safetensors", 12), ""),
     "truncated manifest": (lambda d: _truncate(d / f"{S0}.json", 0.6), "not valid JSON"),
     "manifest of a newer format version": (
-        lambda d: _edit_json(d / f"{S0}.json", lambda m: m.update(format_version=2)),
+        lambda d: _edit_json(d / f"{S0}.json", lambda m: m.update(format_version=fmt.FORMAT_VERSION + 1)),
         "written by a newer Checkmate",
     ),
     "global.json of a newer format version": (
