@@ -173,7 +173,7 @@ def write(
     temporary = args.png.with_name(f".{args.png.stem}.{os.getpid()}.tmp.png")
     try:
         load = runs[0]["machine"].get("load_average_at_start") if runs else None
-        plot(rows, temporary, f"{document['command']} (load at start {load})")
+        plot(rows, temporary, f"scaling, partitioned CPUs, {len(runs)} run(s) (load average at start {load})")
         os.replace(temporary, args.png)
     finally:
         temporary.unlink(missing_ok=True)

@@ -170,19 +170,12 @@ class BaselineCheckpointer:
         started = time.time()
         if self.kind == "torch-save":
             if self.rank == 0:
-                target = self.directory / "checkpoint.pt"
-                temporary = target.with_suffix(".pt.tmp")
                 state = {
                     "iteration": iteration,
                     "model": self.module.state_dict(),
                     "optimizer": self.optimizer.state_dict(),
                 }
-                with open(temporary, "wb") as f:
-                    torch.save(state, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(temporary, target)
-                self._done.append((iteration, started, time.time()))
+                self._write(state, iteration, started)  # synchronously
         elif self.kind == "checkfreq":
             if self.rank == 0:
                 self._join_persist()  # CheckFreq: a snapshot waits for the previous persist
@@ -231,7 +224,7 @@ class BaselineCheckpointer:
             )
 
     def _write(self, state: dict[str, Any], iteration: int, started: float) -> None:
-        """Persist a snapshot: temporary file, fsync, rename (the checkfreq thread)."""
+        """Write a checkpoint: temporary file, fsync, rename (torch-save inline, checkfreq in its thread)."""
         target = self.directory / "checkpoint.pt"
         temporary = target.with_suffix(".pt.tmp")
         with open(temporary, "wb") as f:
