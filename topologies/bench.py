@@ -1018,6 +1018,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-docs", action="store_true", help="do not touch the docs table")
     parser.add_argument("--target", choices=["embedded", "bmv2"], default=defaults.target)
+    parser.add_argument(
+        "--switch-name",
+        default=defaults.rename_switches[0][1],
+        help="name of the benchmark's switch (its port interfaces are named after it; another name lets "
+        "two benchmarks run side by side)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
 
@@ -1042,6 +1048,8 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
     systems = tuple(s.strip().replace("K", str(args.k)) for s in args.systems.split(",") if s.strip())
     workloads = _names(args.workloads, list(WORKLOADS), "--workloads")
     placements = _names(args.placement, PLACEMENTS, "--placement")
+    if not (args.switch_name.isascii() and args.switch_name.isalnum() and 1 <= len(args.switch_name) <= 8):
+        raise BenchError(f"--switch-name must be 1-8 letters or digits, got {args.switch_name!r}")
     if not MIN_WORKERS <= args.workers <= MAX_WORKERS:
         raise BenchError(f"--workers must be {MIN_WORKERS} to {MAX_WORKERS}, got {args.workers}")
     if args.warmup < 0:
@@ -1084,6 +1092,7 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
                     docs=None if args.no_docs else args.docs,
                     target=args.target,
                     command=command,
+                    rename_switches=(("s1", args.switch_name),),
                     workers=args.workers,
                     workload=name,
                     placement=placement,

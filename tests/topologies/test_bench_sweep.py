@@ -272,3 +272,55 @@ def test_write_suite_combines_placements_and_fills_the_docs(tmp_path: Path) -> N
     assert "| torch-save-4 | 4 | 9.60 | 0.960 | 0.960 | — | — | — |" in text  # not run co-located
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.root
+def test_interrupted_benchmark_leaves_nothing_behind(tmp_path: Path) -> None:
+    """SIGTERM while a system trains: exit 130, network down, no process left, no results file."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from topologies.runstate import RunState, RunStateError
+
+    work = tmp_path / "work"
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "topologies.bench", "--workloads", "tinylm", "--placement", "partitioned"]
+    argv += ["--systems", "checkmate", "--iterations", "400", "--rounds", "1", "--sweep-k", "", "--no-docs"]
+    argv += ["--work-dir", str(work), "--json", str(out / "bench.json"), "--png", str(out / "bench.png")]
+    argv += ["--switch-name", "bi1"]
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=bench.REPO)
+    try:
+        deadline = time.monotonic() + 180
+        log = work / "logs" / "round1-checkmate" / "rank0.jsonl"
+        while not (log.exists() and '"loss"' in log.read_text()):
+            assert process.poll() is None, "the benchmark ended before it trained"
+            assert time.monotonic() < deadline, "no training within 180 s"
+            time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=180) == 130
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+            subprocess.run(
+                [sys.executable, "-m", "topologies.cli", "down", "--run-dir", str(work / "network")],
+                timeout=120,
+                check=False,
+            )
+    with pytest.raises(RunStateError):
+        RunState.load(work / "network")  # taken down
+    marker = str(work).encode()
+    left = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker in (entry / "cmdline").read_bytes():
+                    left.append(entry.name)
+            except OSError:
+                continue
+    assert left == []
+    assert not out.exists() or list(out.iterdir()) == []
+    assert not any("bi1" in name for name in os.listdir("/sys/class/net"))
