@@ -1,11 +1,20 @@
 """``make bench``: Checkmate next to the checkpointing users pick today, on the demo's model and network.
 
-    python -m topologies.bench [--iterations 200] [--k 10] [--rounds 2] [--systems a,b,...]
+    python -m topologies.bench [--workloads tinylm,large-state] [--placement partitioned,colocated]
+        [--worker-cpus 0 --infra-cpus 1] [--sweep-k 1,2,4,8,16] [--iterations N] [--k 10]
+        [--rounds 3] [--workers 3] [--systems a,b,...]
 
-One invocation brings up the demo's emulated network (``topologies/single.json``
-on the embedded switch target, its switch renamed so it can run next to other
-networks), then trains TinyLM with 3 DDP workers (h1-h3) once per system, the
-same number of iterations each, and takes the network down:
+For each workload (``WORKLOADS``: TinyLM, and a large-state 21.7M-parameter TinyLM) and
+each placement — *partitioned*: the workers pinned to one CPU set, the switch, supervisor,
+shadows and this process to another (:mod:`topologies.bench_partition`; what ran where
+is read back from /proc into the results), and *colocated*: no pinning — one invocation
+brings up the demo's emulated network (``topologies/single.json``, more workers added for
+``--workers`` > 4, on the embedded switch target, its switch renamed so it can run next
+to other networks), trains with the DDP workers once per system, the same number of
+iterations each, and takes the network down. In the first placement the peers
+``torch-save``, ``checkfreq`` and ``dcp-process`` also run once per k of ``--sweep-k``
+(:mod:`topologies.bench_sweep`: the smallest k within 5 % of the ideal / matching
+Checkmate). The systems:
 
 * ``ideal-gloo`` — DDP over gloo, no checkpoints;
 * ``ideal-cm-transport`` — DDP over Checkmate's UDP transport, nothing tagged
@@ -19,15 +28,21 @@ same number of iterations each, and takes the network down:
 * ``torch-save-1`` / ``torch-save-K`` — rank 0 ``torch.save``s model and
   optimizer state (temp file, fsync, rename) after every iteration / every K;
 * ``dcp-async-1`` / ``dcp-async-K`` — ``torch.distributed.checkpoint.async_save``
-  on a separate gloo group, waiting for the previous save first.
+  on a separate gloo group, waiting for the previous save first;
+* ``checkfreq-k`` — CheckFreq-style: rank 0 copies the state to CPU memory, a
+  background thread persists it (the next snapshot waits for it);
+* ``dcp-process-k`` — ``async_save`` with ``AsyncCheckpointerType.PROCESS`` and
+  ``use_collectives=False``.
 
 Figures (see docs/benchmarks.md for the definitions): iterations/s over the
 steady-state iterations of rank 0's log (the first ``--warmup`` skipped),
 checkpoint frequency, expected repeated iterations per failure
 (``k/2 + d``: checkpoints every ``k`` iterations that become complete ``d``
 iterations after the iteration they capture), and ratios to both ideals.
-Writes ``results/bench.json``, ``results/bench.png`` and, when the file has the
-markers, the table in ``docs/benchmarks.md``.
+Writes ``results/bench.json`` (every run under ``runs``; the first also at the top),
+``results/bench.png`` and, when the file has the markers, the tables in
+``docs/benchmarks.md`` — each file atomically, and only when every run finished.
+Options are checked before anything starts.
 """
 
 from __future__ import annotations
