@@ -1094,13 +1094,21 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
         if iterations <= args.warmup + 2:
             raise BenchError(f"{name}: {iterations} iterations must exceed --warmup ({args.warmup}) + 2")
         for placement in placements:
+            swept = placement == placements[0]
+            mine = systems
+            if systems and not swept:  # the sweep's systems run in the first placement only
+                mine = tuple(
+                    n for n in systems if n in all_systems(args.k) or n not in all_systems(args.k, sweep_ks)
+                )
+                if not mine:
+                    continue
             plan.append(
                 BenchConfig(
                     iterations=iterations,
                     warmup=args.warmup,
                     k=args.k,
                     rounds=args.rounds,
-                    systems=systems,
+                    systems=mine,
                     work_dir=args.work_dir,
                     json_out=args.json,
                     png_out=args.png,
@@ -1112,7 +1120,7 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
                     workload=name,
                     placement=placement,
                     partition=partition if placement == "partitioned" else None,
-                    sweep_ks=sweep_ks if placement == placements[0] else (),
+                    sweep_ks=sweep_ks if swept else (),
                     global_batch=workload.per_worker_batch * args.workers,
                     model_args=workload.model_args,
                 )

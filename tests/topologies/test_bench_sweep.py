@@ -145,6 +145,10 @@ def test_plan_runs_each_workload_in_each_placement() -> None:
     assert "checkfreq-4" not in [s.name for s in colocated.selected()]
     assert first.iterations == 150 and large.iterations == 30
     assert large.global_batch == 3 and "--width" in large.model_args  # 1 sample per worker
+    chosen = _plan("--workloads", "tinylm", "--systems", "checkmate,torch-save-4", "--sweep-k", "4")
+    assert [[s.name for s in c.selected()] for c in chosen] == [["checkmate", "torch-save-4"], ["checkmate"]]
+    only_swept = _plan("--workloads", "tinylm", "--systems", "checkfreq-4", "--sweep-k", "4")
+    assert [c.placement for c in only_swept] == ["partitioned"]
     five = _plan("--workers", "5", "--placement", "colocated", "--workloads", "tinylm")
     assert five[0].global_batch == 80 and five[0].workers == 5
 
