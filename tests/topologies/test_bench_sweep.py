@@ -19,6 +19,7 @@ from topologies.bench import (
     LogFigures,
     atomic_write_text,
     build_parser,
+    frequency_targets,
     plan_from,
     scaled_topology,
     write_suite,
@@ -109,6 +110,18 @@ def test_analyse_groups_the_entries_by_peer_and_renders() -> None:
     table = markdown(sweep)
     assert "| torch-save | 32 | 32x | 16.00 | 8 | 8x | 4.00 |" in table
     assert table.count("\n") == 4
+
+
+def test_frequency_targets_never_guess() -> None:
+    sweep = {
+        "a": {"matching_checkmate": {"k": 8, "reached": True, "times_more_often": 8.0}},
+        "b": {"matching_checkmate": {"k": None, "reached": False, "at_least": 16.0}},
+        "c": {"matching_checkmate": {"k": None, "reached": False, "at_least": 4.0}},
+        "d": {"matching_checkmate": {"k": 2, "reached": True, "times_more_often": 2.0}},
+        "checkmate": {"iterations_per_s": 9.0},
+    }
+    got = {peer: r["met"] for peer, r in frequency_targets(sweep).items()}
+    assert got == {"a": True, "b": True, "c": None, "d": False}
 
 
 def test_k_lists() -> None:
@@ -268,6 +281,12 @@ def test_write_suite_combines_placements_and_fills_the_docs(tmp_path: Path) -> N
     ]
     assert on_disk["cpu_placement"]["partition"] == {"workers": "0", "infrastructure": "1"}
     assert on_disk["sweep"]["torch-save"]["within_5pct_of_ideal"]["k"] == 4
+    # torch-save matches Checkmate's 9.0/s at k = 4: 4x more often, short of the 5x target
+    frequency = on_disk["targets"]["more_often_at_equal_throughput"]["torch-save"]
+    assert frequency["times_more_often"] == 4.0 and frequency["met"] is False
+    assert on_disk["targets"]["vs_same_transport_ideal"] == {
+        "ideal": "ideal-cm-transport", "ratio": 1.0, "target": 0.97, "met": True,
+    }  # fmt: skip
     text = docs.read_text()
     assert "old" not in text and text.endswith("rest\n")
     assert "| checkmate | 1 | 9.00 | 1.000 | 0.900 | 6.00 | 0.667 | 0.600 |" in text
