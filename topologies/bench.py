@@ -848,7 +848,13 @@ def plot(summary: Mapping[str, Any], path: Path) -> None:
     ax_rate.invert_yaxis()
     ax_rate.set_xlabel("iterations/s (higher is better)")
     ax_rate.set_xlim(0, max(e["iterations_per_s"] for e in entries) * 1.6)
-    ax_rate.set_title("throughput (3 workers, TinyLM, emulated switch)", fontsize=10)
+    settings = summary["settings"]
+    placement = summary.get("cpu_placement", {}).get("mode", "colocated")
+    ax_rate.set_title(
+        f"throughput ({settings.get('workers', 3)} workers, {settings.get('workload', 'tinylm')}, "
+        f"{placement}, emulated switch)",
+        fontsize=10,
+    )
     ax_rate.grid(axis="x", alpha=0.3)
     repeated = [e["expected_repeated_iterations_per_failure"] for e in entries]
     shown = [r if r is not None else 0 for r in repeated]
