@@ -1,4 +1,4 @@
-"""An ordinary PyTorch DDP training script, plus the one Checkmate line.
+"""An ordinary PyTorch DDP training script, plus the Checkmate lines.
 
 Launch it like any DDP script, with ``torchrun`` or with the variables
 torchrun sets (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)::
@@ -11,9 +11,9 @@ samples, shards and initial weights everywhere) with Adam and gradient
 clipping, using a ``DistributedSampler`` and ``DistributedDataParallel`` over
 gloo. Rank 0 prints the loss and step time and can save the final weights.
 
-The only Checkmate-specific line is marked ``# Checkmate: the one added line``:
-delete it and this is plain DDP over gloo, with bit-identical results for 2
-workers. With it, gradients are all-reduced by Checkmate's host agent
+The Checkmate-specific lines end with ``# Checkmate`` (the import, the resume
+call and the one line that enables it): delete them and this is plain DDP over
+gloo, with bit-identical results for 2 workers. With them, gradients are all-reduced by Checkmate's host agent
 (:func:`hosts.enable_checkmate`), configured from ``CHECKMATE_*`` variables
 (see :class:`hosts.ddp.CheckmateConfig`). With ``--resume`` a restarted job first
 restores the shadows' latest certified state (or the newest checkpoint in
@@ -34,6 +34,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import hosts  # Checkmate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,11 +93,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         make_model(args.features, args.hidden, args.classes), bucket_cap_mb=args.bucket_cap_mb
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    hosts = __import__("hosts")
-    point = hosts.resume(model, optimizer) if args.resume else None  # Checkmate: restore after a failure
-    hosts.enable_checkmate(model, optimizer, resume=point)  # Checkmate: the one added line
-
-    step = point.iteration if point is not None else 0
+    step = 0
+    point = hosts.resume(model, optimizer) if args.resume else None  # Checkmate
+    hosts.enable_checkmate(model, optimizer, resume=point)  # Checkmate
+    step = point.iteration if point is not None else step  # Checkmate
     epoch, skip = divmod(step, len(loader))
     first, started = step, time.perf_counter()
     while step < args.steps:
