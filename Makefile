@@ -134,7 +134,10 @@ reliability: setup
 soak: setup
 	@mkdir -p results && rm -f $(RELIABILITY_ROWS)
 	@# The table is written even when a test fails (its row says so); then exit non-zero.
+	@# Then the 2,000-iteration soak and the slow-shadow run write the figures of the table's last section.
 	@status=0; CHECKMATE_RELIABILITY_OUT=$(RELIABILITY_ROWS) $(PY) -m pytest tests/reliability -m 'not slow' $(PYTEST_ARGS) || status=$$?; \
+	$(PY) -m tests.shadow.soak --steps 2000 --restart-every 500 --json results/soak.json || status=$$(( status ? status : 1 )); \
+	$(PY) -m tests.shadow.pressure --steps 120 --pace 0.05 --json results/shadow_pressure.json || status=$$(( status ? status : 1 )); \
 	$(PY) -m tests.reliability.report $(RELIABILITY_ROWS) --out docs/reliability.md --command "make soak" \
 	  || status=$$(( status ? status : 1 )); exit $$status
 

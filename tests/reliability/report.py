@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from tests.reliability import long_runs
 from tests.reliability.record import Row, load_rows
 
 HEADER = """# Reliability
@@ -50,7 +51,8 @@ entry or checkpoint that went missing, a forged message that was let in, a proce
 that stopped answering.
 
 Regenerate with `make reliability` (quick cases, also run by `make test`) or
-`make soak` (quick and soak cases). Each row's command reruns just that case.
+`make soak` (quick and soak cases, then the 2,000-iteration soak and the slow-shadow
+run, whose figures fill the last section). Each row's command reruns just that case.
 """
 
 
@@ -95,21 +97,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("rows", type=Path, help="JSON lines written with CHECKMATE_RELIABILITY_OUT")
     parser.add_argument("--out", type=Path, required=True, help="the Markdown file to write")
     parser.add_argument("--command", default="make reliability", help="the command that produced the rows")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=Path("results"),
+        help="where the soak and slow-shadow runs wrote their JSON (the last section; absent: left out)",
+    )
     args = parser.parse_args(argv)
     try:
         rows = load_rows(args.rows)
-    except (OSError, ValueError) as exc:
+        long_section = long_runs.render(args.results)
+        soak_lost = long_runs.soak_lost(args.results)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"report: {exc}", file=sys.stderr)
         return 2
     if not rows:
         print(f"report: {args.rows} holds no rows (did the suite run?)", file=sys.stderr)
         return 2
-    args.out.write_text(render(rows, args.command), encoding="utf-8")
+    args.out.write_text(render(rows, args.command) + long_section, encoding="utf-8")
     bad = [r for r in rows if r.lost]
     for r in bad:
         print(f"report: {r.case} ({r.test}) lost {r.lost}", file=sys.stderr)
+    if soak_lost:
+        print(f"report: the soak in {args.results} ended unequal to the workers", file=sys.stderr)
     print(f"report: wrote {args.out} ({len(rows)} rows)")
-    return 1 if bad else 0
+    return 1 if bad or soak_lost else 0
 
 
 if __name__ == "__main__":
