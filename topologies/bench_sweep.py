@@ -193,6 +193,15 @@ def markdown(sweep: Mapping[str, Any]) -> str:
     def num(value: Any) -> str:
         return "—" if value is None else f"{value:.2f}"
 
+    checkmate = sweep.get("checkmate")
+    checkmate_within = checkmate is None or bool(checkmate.get("within_5pct_of_ideal"))
+
+    def times_within(r: Mapping[str, Any] | None) -> str:
+        # "k times more often at <= 5 % cost" holds only when Checkmate itself costs <= 5 %.
+        if checkmate_within or checkmate is None:
+            return times(r)
+        return f"n/a: Checkmate at {checkmate.get('ratio_to_ideal')}x its ideal"
+
     lines = [
         "| peer | smallest k within 5 % of ideal | Checkmate more often (5 %) | "
         "repeated iterations at that k | smallest k matching Checkmate | "
@@ -205,7 +214,8 @@ def markdown(sweep: Mapping[str, Any]) -> str:
         ideal = result["within_5pct_of_ideal"]
         match = result.get("matching_checkmate")
         lines.append(
-            f"| {peer} | {k_text(ideal)} | {times(ideal)} | {num(result['repeated_at_k_within_5pct'])} | "
+            f"| {peer} | {k_text(ideal)} | {times_within(ideal)} | "
+            f"{num(result['repeated_at_k_within_5pct'])} | "
             f"{k_text(match)} | {times(match)} | {num(result.get('repeated_at_k_matching_checkmate'))} |"
         )
     return "\n".join(lines) + "\n"

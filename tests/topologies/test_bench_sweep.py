@@ -112,6 +112,22 @@ def test_analyse_groups_the_entries_by_peer_and_renders() -> None:
     assert table.count("\n") == 4
 
 
+def test_more_often_at_5pct_is_not_claimed_when_checkmate_itself_costs_more() -> None:
+    entries = [
+        _entry("ideal-gloo", 10.0, None, "ideal-gloo"),
+        _entry("ideal-cm-transport", 10.0, None, "ideal-cm-transport"),
+        {**_entry("checkmate", 9.0, 1, "ideal-cm-transport", 1.5), "ratio_to_ideal": 0.9},
+        _entry("torch-save-1", 8.0, 1, "ideal-gloo", 0.5),
+        _entry("torch-save-8", 9.1, 8, "ideal-gloo", 4.0),
+    ]
+    sweep = analyse(entries)
+    assert sweep["checkmate"]["within_5pct_of_ideal"] is False
+    table = markdown(sweep)
+    assert (
+        "| torch-save | > 8 (not reached) | n/a: Checkmate at 0.9x its ideal | — | 8 | 8x | 4.00 |" in table
+    )
+
+
 def test_frequency_targets_never_guess() -> None:
     sweep = {
         "a": {"matching_checkmate": {"k": 8, "reached": True, "times_more_often": 8.0}},
