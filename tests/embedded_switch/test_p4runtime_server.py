@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -976,6 +977,11 @@ def test_packet_in_goes_to_the_primary_and_packet_out_only_from_it(
     assert (
         error.canonical_code == code_pb2.PERMISSION_DENIED and error.packet_out.packet_out.payload == b"nope"
     )
+    # The two streams are served independently: the backup's refusal can come back before the
+    # primary's packet-out has reached the data plane.
+    deadline = time.monotonic() + 5
+    while not switch.packet_outs and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert switch.packet_outs == [(b"out", CPU_PORT)]
     assert switch.server.stats.packet_outs_accepted == 1 and switch.server.stats.packet_outs_rejected == 1
 
