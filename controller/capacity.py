@@ -604,7 +604,8 @@ def _number(text: str) -> float:
     return value
 
 
-def _count(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (shared with controller.cli)."""
     try:
         value = int(text)
     except ValueError:
@@ -625,13 +626,15 @@ def add_plan_parser(commands: Any) -> None:
     p.add_argument("--model-params", type=_number, required=True, help="parameters, e.g. 70e9, 7B, 350M")
     p.add_argument("--optimizer", required=True, choices=sorted(OPTIMIZER_STATE_BYTES), help="optimizer")
     p.add_argument("--iteration-time", type=_number, required=True, help="seconds per training iteration")
-    p.add_argument("--dp", type=_count, required=True, help="data-parallel degree (workers per ring)")
-    p.add_argument("--tp", type=_count, default=1, help="tensor-parallel degree (rings), default 1")
+    p.add_argument("--dp", type=positive_int, required=True, help="data-parallel degree (workers per ring)")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (rings), default 1")
     p.add_argument("--link-gbps", type=_number, default=100.0, help="shadow host link, Gb/s (default 100)")
     p.add_argument("--switch", default="tofino", choices=["bmv2", "embedded", "tofino", "tofino2"])
     p.add_argument("--grad-dtype", default="fp32", choices=sorted(GRAD_DTYPE_BYTES), help="bucket dtype")
     p.add_argument("--bucket-mb", type=_number, default=DDP_DEFAULT_BUCKET_MB, help="DDP bucket_cap_mb (25)")
-    p.add_argument("--shadow-cores-per-host", type=_count, default=32, help="cores per shadow host (32)")
+    p.add_argument(
+        "--shadow-cores-per-host", type=positive_int, default=32, help="cores per shadow host (32)"
+    )
     p.add_argument("--shadow-memory-gib", type=_number, default=256.0, help="memory per shadow host (256)")
     p.add_argument(
         "--shadow-busy",
@@ -639,18 +642,25 @@ def add_plan_parser(commands: Any) -> None:
         default=0.5,
         help="share of an iteration a shadow may spend applying (0.5)",
     )
-    p.add_argument("--workers-per-switch", type=_count, default=32, help="workers per leaf switch (32)")
+    p.add_argument("--workers-per-switch", type=positive_int, default=32, help="workers per leaf switch (32)")
     p.add_argument(
-        "--max-groups", dest="plan_max_groups", type=_count, default=None, help="the switch's group limit"
+        "--max-groups",
+        dest="plan_max_groups",
+        type=positive_int,
+        default=None,
+        help="the switch's group limit",
     )
     p.add_argument("--switch-gbps", type=_number, default=None, help="the switch's capacity, Gb/s")
     p.add_argument("--lag", type=float, default=1.0, help="iterations until a step is certified (1)")
     p.add_argument(
-        "--compare-every", type=_count, default=None, help="compare with a checkpoint every N iterations"
+        "--compare-every",
+        type=positive_int,
+        default=None,
+        help="compare with a checkpoint every N iterations",
     )
     p.add_argument(
         "--shadows-per-ring",
-        type=_count,
+        type=positive_int,
         default=None,
         help="use this many shadows per ring (default: fewest)",
     )

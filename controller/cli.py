@@ -27,7 +27,7 @@ from typing import Any
 from checkmate.job import JobSpec, JobSpecError
 from checkmate.network import Network, NetworkError
 from checkmate.tls import TlsFiles
-from controller.capacity import add_plan_parser, run_plan
+from controller.capacity import add_plan_parser, positive_int, run_plan
 from controller.controller import Controller
 from controller.errors import ControllerError
 from controller.job_registry_cli import forget_job, list_jobs
@@ -63,16 +63,6 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
     return value
 
 
@@ -140,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory of the job registry; default: $CHECKMATE_STATE_DIR or ~/.local/state/checkmate",
     )
     parser.add_argument(
-        "--election-id", type=_positive_int, default=1, help="P4Runtime election id (default 1)"
+        "--election-id", type=positive_int, default=1, help="P4Runtime election id (default 1)"
     )
     parser.add_argument(
         "--timeout",
@@ -150,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-groups",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="cap on multicast groups per switch, below the network description's max_multicast_groups",
     )
