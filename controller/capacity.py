@@ -43,11 +43,11 @@ from pathlib import Path
 from typing import Any
 
 from checkmate.network import MAX_MULTICAST_GROUP_ID
+from checkmate.p4.program import REPO_ROOT
 from checkmate.wire import HEADER_BYTES, IPV4_HEADER_BYTES, MAX_PAYLOAD_BYTES, UDP_HEADER_BYTES
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SHADOW_BENCH = REPO_ROOT / "results" / "shadow_bench.json"
 DEFAULT_SWITCH_BENCH = REPO_ROOT / "results" / "switch_bench.json"
 DEFAULT_BMV2_BENCH_DIR = REPO_ROOT / "results" / "switch_bench_targets"

@@ -26,13 +26,14 @@ from typing import Any
 
 from checkmate.job import JobSpec, JobSpecError
 from checkmate.network import Network, NetworkError
+from checkmate.p4.program import P4INFO_PATH, Target
 from checkmate.tls import TlsFiles
 from controller.capacity import add_plan_parser, positive_int, run_plan
 from controller.controller import Controller
 from controller.errors import ControllerError
 from controller.job_registry_cli import forget_job, list_jobs
 from controller.job_secrets import JobSecretError, JobSecrets
-from controller.pipeline import DEFAULT_P4INFO, PipelineConfig, Target
+from controller.pipeline import PipelineConfig
 from controller.shadow_status import (
     DEFAULT_SHADOW_TIMEOUT_S,
     SHADOW_CONTROL_PORT,
@@ -181,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         "pushed, which is what the embedded target takes.",
     )
     push.add_argument(
-        "--p4info", type=Path, default=DEFAULT_P4INFO, help=f"P4Info file (default {DEFAULT_P4INFO})"
+        "--p4info", type=Path, default=P4INFO_PATH, help=f"P4Info file (default {P4INFO_PATH})"
     )
     push.add_argument("--bmv2-json", type=Path, help="BMv2 JSON from p4c (target bmv2)")
     push.add_argument(

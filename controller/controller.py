@@ -27,6 +27,7 @@ from pathlib import Path
 
 from checkmate.job import JobSpec, JobSpecError
 from checkmate.network import Network
+from checkmate.p4.p4info import P4InfoIndex
 from checkmate.tls import TlsFiles
 from controller.batch import apply_change, batches_for
 from controller.counters import JOB_COUNTERS, CounterValue, read_counters
@@ -41,7 +42,6 @@ from controller.entities import (
 )
 from controller.errors import ControllerError, JobError
 from controller.jobs import Taken, allocate, job_updates, plan_entities
-from controller.p4info_names import P4InfoNames
 from controller.pipeline import PipelineConfig, push_pipeline
 from controller.reconcile import GROUPS, OWNED_TABLES, ReconcileReport, plan_reconcile, read_installed
 from controller.registry import JobRecord, Registry
@@ -125,7 +125,7 @@ class Controller:
     def codec(self, switch: str) -> EntityCodec:
         """The entity codec for the P4Info ``switch`` runs (NoPipelineError if none)."""
         if switch not in self._codecs:
-            self._codecs[switch] = EntityCodec(P4InfoNames(self.connection(switch).get_p4info()))
+            self._codecs[switch] = EntityCodec(P4InfoIndex(self.connection(switch).get_p4info()))
         return self._codecs[switch]
 
     def _all_codecs(self) -> dict[str, EntityCodec]:
@@ -139,7 +139,7 @@ class Controller:
         self.connect()
         for switch in sorted(self.network.switches):
             push_pipeline(self.connection(switch), config, timeout=timeout)
-            self._codecs[switch] = EntityCodec(P4InfoNames(config.p4info))
+            self._codecs[switch] = EntityCodec(P4InfoIndex(config.p4info))
         return self.reconcile() if reconcile else None
 
     def install_forwarding(self) -> ReconcileReport:

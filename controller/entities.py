@@ -18,10 +18,10 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2
 
-from controller.p4info_names import P4InfoNames
+from checkmate.p4.bytestrings import decode_bytestring, encode_bytestring
+from checkmate.p4.p4info import MatchKind, P4InfoIndex
 
 logger = logging.getLogger(__name__)
 
@@ -186,21 +186,10 @@ def diff(
 
 
 # ---- wire encoding ----------------------------------------------------------------
-def encode_value(value: int, bitwidth: int) -> bytes:
-    """A P4Runtime canonical bytestring: big-endian, no leading zero bytes (0 is one zero byte)."""
-    if value < 0 or value >= (1 << bitwidth):
-        raise ValueError(f"value {value} does not fit in {bitwidth} bits")
-    return value.to_bytes(max(1, (value.bit_length() + 7) // 8), "big")
-
-
-def decode_value(data: bytes) -> int:
-    return int.from_bytes(data, "big")
-
-
 class EntityCodec:
     """Encodes entities for one switch's P4Info and decodes what the switch reads back."""
 
-    def __init__(self, names: P4InfoNames) -> None:
+    def __init__(self, names: P4InfoIndex) -> None:
         self.names = names
 
     def to_entity(self, entity: Entity) -> p4runtime_pb2.Entity:
@@ -219,16 +208,16 @@ class EntityCodec:
         for m in entity.match:
             info = self.names.match_field(entity.table, m.field)
             prefix_len = info.bitwidth if m.prefix_len is None else m.prefix_len
-            if info.match_type == p4info_pb2.MatchField.LPM and prefix_len == 0:
+            if info.kind is MatchKind.LPM and prefix_len == 0:
                 continue  # a /0 prefix is a don't-care and must be omitted
             field = entry.match.add()
             field.field_id = info.id
-            if info.match_type == p4info_pb2.MatchField.LPM:
+            if info.kind is MatchKind.LPM:
                 mask = ((1 << prefix_len) - 1) << (info.bitwidth - prefix_len)
-                field.lpm.value = encode_value(m.value & mask, info.bitwidth)
+                field.lpm.value = encode_bytestring(m.value & mask, info.bitwidth)
                 field.lpm.prefix_len = prefix_len
-            elif info.match_type == p4info_pb2.MatchField.EXACT:
-                field.exact.value = encode_value(m.value, info.bitwidth)
+            elif info.kind is MatchKind.EXACT:
+                field.exact.value = encode_bytestring(m.value, info.bitwidth)
             else:
                 raise ValueError(
                     f"{entity.table}.{m.field}: only exact and LPM matches are used by Checkmate"
@@ -242,10 +231,10 @@ class EntityCodec:
         if sorted(given) != sorted(expected):
             raise ValueError(f"action {entity.action} takes parameters {expected}, got {sorted(given)}")
         for name in expected:
-            info = self.names.param(entity.action, name)
+            spec = self.names.param(entity.action, name)
             param = action.params.add()
-            param.param_id = info.id
-            param.value = encode_value(given[name], info.bitwidth)
+            param.param_id = spec.id
+            param.value = encode_bytestring(given[name], spec.bitwidth)
         return message
 
     def to_update(self, update: Update) -> p4runtime_pb2.Update:
@@ -260,7 +249,10 @@ class EntityCodec:
             group = message.packet_replication_engine_entry.multicast_group_entry
             replicas = []
             for r in group.replicas:
-                port = decode_value(r.port) if r.WhichOneof("port_kind") == "port" else r.egress_port
+                if r.WhichOneof("port_kind") == "port":
+                    port = decode_bytestring(r.port, 32, f"multicast group {group.multicast_group_id} port")
+                else:
+                    port = r.egress_port
                 replicas.append((port, r.instance))
             return MulticastGroup.make(group.multicast_group_id, replicas)
         if which != "table_entry":
@@ -272,17 +264,17 @@ class EntityCodec:
             info = self.names.match_field_by_id(entry.table_id, field.field_id)
             kind = field.WhichOneof("field_match_type")
             if kind == "lpm":
-                fields.append(Match(info.name, decode_value(field.lpm.value), field.lpm.prefix_len))
+                value = decode_bytestring(field.lpm.value, info.bitwidth, f"{table}.{info.short_name}")
+                fields.append(Match(info.short_name, value, field.lpm.prefix_len))
             elif kind == "exact":
-                fields.append(Match(info.name, decode_value(field.exact.value)))
+                value = decode_bytestring(field.exact.value, info.bitwidth, f"{table}.{info.short_name}")
+                fields.append(Match(info.short_name, value))
             else:
-                raise ValueError(f"table {table}: unexpected {kind} match on {info.name}")
+                raise ValueError(f"table {table}: unexpected {kind} match on {info.short_name}")
         action_id = entry.action.action.action_id
         action = self.names.action_name(action_id)
-        params = tuple(
-            sorted(
-                (self.names.param_by_id(action_id, p.param_id).name, decode_value(p.value))
-                for p in entry.action.action.params
-            )
-        )
-        return TableEntry(table, tuple(sorted(fields)), action, params, entry.priority)
+        params = []
+        for p in entry.action.action.params:
+            param = self.names.param_by_id(action_id, p.param_id)
+            params.append((param.name, decode_bytestring(p.value, param.bitwidth, f"{action}.{param.name}")))
+        return TableEntry(table, tuple(sorted(fields)), action, tuple(sorted(params)), entry.priority)

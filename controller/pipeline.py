@@ -15,7 +15,6 @@ What ``p4_device_config`` holds depends on the target:
 
 from __future__ import annotations
 
-import enum
 import logging
 import struct
 from dataclasses import dataclass
@@ -24,22 +23,12 @@ from pathlib import Path
 from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2
 
+from checkmate.p4.p4info import load_p4info
+from checkmate.p4.program import P4INFO_PATH, Target
 from controller.errors import ControllerError, SwitchRpcError
-from controller.p4info_names import load_p4info
 from controller.switch_connection import PIPELINE_TIMEOUT_S, SwitchConnection
 
 logger = logging.getLogger(__name__)
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_P4INFO = REPO_ROOT / "p4src" / "checkmate.p4info.txtpb"
-DEFAULT_BMV2_JSON = REPO_ROOT / "build" / "v1model" / "checkmate.json"
-
-
-class Target(enum.Enum):
-    EMBEDDED = "embedded"
-    BMV2 = "bmv2"
-    TOFINO = "tofino"
-
 
 @dataclass(frozen=True)
 class PipelineConfig:
@@ -50,7 +39,7 @@ class PipelineConfig:
     device_config: bytes = b""
 
     @classmethod
-    def embedded(cls, p4info_path: str | Path = DEFAULT_P4INFO) -> PipelineConfig:
+    def embedded(cls, p4info_path: str | Path = P4INFO_PATH) -> PipelineConfig:
         return cls(Target.EMBEDDED, load_p4info(p4info_path))
 
     @classmethod

@@ -190,7 +190,7 @@ def program_switch(address: str, device_config: Path) -> None:
     """Install routes, the job and the shadow with p4runtime-shell."""
     from p4runtime_sh import shell as sh
 
-    from embedded_switch.program import P4INFO_PATH
+    from checkmate.p4.program import P4INFO_PATH
 
     sh.setup(device_id=0, grpc_addr=address, election_id=(0, 1),
              config=sh.FwdPipeConfig(str(P4INFO_PATH), str(device_config)), verbose=False)  # fmt: skip

@@ -45,10 +45,12 @@ from types import FrameType
 from google.protobuf import text_format
 
 from checkmate.metrics import MetricsServer, parse_metrics_port
+from checkmate.p4.p4info import load_p4info
+from checkmate.p4.program import P4INFO_PATH
 from checkmate.tls import TlsConfigError, TlsFiles, check_files
 from embedded_switch.metrics import switch_collector
 from embedded_switch.ports import MAX_PORT, PortBinding, PortError, PortsConfig, SwitchPorts
-from embedded_switch.program import P4INFO_PATH, ProgramMismatchError, build_state, check_program, load_p4info
+from embedded_switch.program import ProgramMismatchError, build_state, check_program
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """The P4 program this target runs: p4src/v1model/checkmate.p4, by its P4Info.
 
-The embedded target implements exactly one program. This module loads its
-P4Info, checks that a P4Info pushed by a controller describes that program,
+The embedded target implements exactly one program. This module checks that a
+P4Info pushed by a controller describes that program (its own P4Info is
+:data:`checkmate.p4.program.P4INFO_PATH`),
 and builds the empty :class:`SwitchState` (tables with the default actions the
 P4 source declares, counters) that the pipeline reads.
 
@@ -14,24 +15,13 @@ committed p4src/checkmate.p4info.txtpb) and the older form without those. An
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
-from google.protobuf import text_format
 from p4.config.v1 import p4info_pb2
 
-from embedded_switch.state import (
-    ActionCall,
-    CounterArray,
-    MatchFieldSpec,
-    MatchKind,
-    SwitchState,
-    Table,
-)
+from checkmate.p4.p4info import MATCH_KINDS, load_p4info, preamble_alias
+from embedded_switch.state import ActionCall, CounterArray, MatchFieldSpec, SwitchState, Table
 
 logger = logging.getLogger(__name__)
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-P4INFO_PATH = REPO_ROOT / "p4src" / "checkmate.p4info.txtpb"
 
 DEFAULT_ACTIONS: dict[str, ActionCall] = {
     "route_ipv4": ActionCall("drop_no_route"),
@@ -41,13 +31,6 @@ DEFAULT_ACTIONS: dict[str, ActionCall] = {
 }
 """Each table's ``default_action`` as written in the P4 source."""
 
-_MATCH_KINDS = {
-    p4info_pb2.MatchField.EXACT: MatchKind.EXACT,
-    p4info_pb2.MatchField.LPM: MatchKind.LPM,
-    p4info_pb2.MatchField.TERNARY: MatchKind.TERNARY,
-    p4info_pb2.MatchField.RANGE: MatchKind.RANGE,
-    p4info_pb2.MatchField.OPTIONAL: MatchKind.OPTIONAL,
-}
 _COUNTER_UNITS = {
     p4info_pb2.CounterSpec.PACKETS: "packets",
     p4info_pb2.CounterSpec.BYTES: "bytes",
@@ -57,13 +40,6 @@ _COUNTER_UNITS = {
 
 class ProgramMismatchError(ValueError):
     """A P4Info that does not describe the program this target runs."""
-
-
-def load_p4info(path: Path = P4INFO_PATH) -> p4info_pb2.P4Info:
-    """Parse a P4Info text file."""
-    info = p4info_pb2.P4Info()
-    text_format.Parse(path.read_text(), info)
-    return info
 
 
 def program_signature(info: p4info_pb2.P4Info) -> dict[str, object]:
@@ -106,8 +82,7 @@ def check_program(info: p4info_pb2.P4Info, reference: p4info_pb2.P4Info | None =
     for t in info.tables:
         if not t.HasField("initial_default_action"):
             continue
-        alias = t.preamble.alias or t.preamble.name.split(".")[-1]
-        default = DEFAULT_ACTIONS.get(alias)
+        default = DEFAULT_ACTIONS.get(preamble_alias(t.preamble))
         named = action_names.get(
             t.initial_default_action.action_id, f"id {t.initial_default_action.action_id}"
         )
@@ -122,10 +97,10 @@ def build_state(info: p4info_pb2.P4Info) -> SwitchState:
     """An empty SwitchState for the program ``info`` describes (all tables at their defaults)."""
     state = SwitchState()
     for t in info.tables:
-        alias = t.preamble.alias or t.preamble.name.split(".")[-1]
-        fields = [MatchFieldSpec(m.name, m.bitwidth, _MATCH_KINDS[m.match_type]) for m in t.match_fields]
+        alias = preamble_alias(t.preamble)
+        fields = [MatchFieldSpec(m.name, m.bitwidth, MATCH_KINDS[m.match_type]) for m in t.match_fields]
         state.tables[alias] = Table(t.preamble.name, alias, fields, t.size, DEFAULT_ACTIONS[alias])
     for c in info.counters:
-        alias = c.preamble.alias or c.preamble.name.split(".")[-1]
+        alias = preamble_alias(c.preamble)
         state.counters[alias] = CounterArray(c.preamble.name, alias, c.size, _COUNTER_UNITS[c.spec.unit])
     return state

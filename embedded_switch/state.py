@@ -12,21 +12,14 @@ entries with the same key and priority are the same entry), optional.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from checkmate.p4.p4info import MatchKind
+
 logger = logging.getLogger(__name__)
-
-
-class MatchKind(enum.Enum):
-    EXACT = "exact"
-    LPM = "lpm"
-    TERNARY = "ternary"
-    RANGE = "range"
-    OPTIONAL = "optional"
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,13 +29,14 @@ from pathlib import Path
 
 import grpc
 
+from checkmate.p4.program import REPO_ROOT
+
 logger = logging.getLogger(__name__)
 
 CLONE_NEWNET = 0x40000000
 SOL_PACKET = 263
 PACKET_IGNORE_OUTGOING = 23
 ETH_P_ALL = 0x0003
-REPO_ROOT = Path(__file__).resolve().parents[1]
 _COMMAND_TIMEOUT_S = 20.0
 
 

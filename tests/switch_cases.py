@@ -121,7 +121,7 @@ def install(
     state: SwitchState, entries: tuple[Entry, ...] = ENTRIES, groups: tuple[Group, ...] = GROUPS
 ) -> None:
     """Write entries and groups straight into ``state`` (what the P4Runtime server would do)."""
-    from embedded_switch.program import load_p4info
+    from checkmate.p4.p4info import load_p4info
 
     info = load_p4info()
     params = {a.preamble.alias: [p.name for p in a.params] for a in info.actions}

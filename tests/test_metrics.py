@@ -262,10 +262,12 @@ def test_a_failing_status_read_does_not_break_the_endpoint() -> None:
 
 
 def test_switch_metrics_read_the_p4_state() -> None:
+    from checkmate.p4.p4info import load_p4info
+    from checkmate.p4.program import P4INFO_PATH
     from embedded_switch.metrics import switch_collector
     from embedded_switch.pipeline import DropReason
     from embedded_switch.ports import PortsConfig, SwitchPorts
-    from embedded_switch.program import P4INFO_PATH, build_state, load_p4info
+    from embedded_switch.program import build_state
     from embedded_switch.state import ActionCall, FieldMatch, MatchKind, Replica, TableEntry
 
     state = build_state(load_p4info(P4INFO_PATH))

@@ -10,7 +10,8 @@ import pytest
 from p4.config.v1 import p4info_pb2
 
 from checkmate import wire
-from embedded_switch.program import P4INFO_PATH, load_p4info
+from checkmate.p4.p4info import load_p4info
+from checkmate.p4.program import P4INFO_PATH
 from tests.p4_source import P4SRC, read_program
 
 UNITS = {

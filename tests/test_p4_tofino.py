@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from p4.config.v1 import p4info_pb2
 
-from controller.p4info_names import load_p4info
+from checkmate.p4.p4info import load_p4info
 from tests.p4_source import P4SRC
 from tests.tofino_build import TARGETS, compile_tna
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from checkmate.p4.program import Target
 from topologies.cleanup import CleanupReport, cleanup
 from topologies.preflight import Plan, PreflightError, check_machine, make_plan
 from topologies.runstate import (
@@ -38,7 +39,6 @@ from topologies.runstate import (
     RunStateError,
     is_same_process,
 )
-from topologies.targets import Target
 
 logger = logging.getLogger(__name__)
 

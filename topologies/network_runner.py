@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from checkmate.network import LinkOptions
+from checkmate.p4.program import Target
 from topologies.hosts import HOST_INTERFACE, HostConfig, HostConfigError, configure_host, in_namespaces
 from topologies.mininet_import import import_mininet
 from topologies.preflight import Plan
 from topologies.runstate import RUN_ENV, HostRecord, RunState, SwitchRecord, netns_inode, process_start_time
 from topologies.switches import P4Switch, SwitchStartError, log_tail
-from topologies.targets import Target
 
 import_mininet()
 from mininet.link import Link, TCLink  # noqa: E402  (needs import_mininet first)

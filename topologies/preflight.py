@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkmate.network import Network, NetworkError
+from checkmate.p4.program import Target
 from topologies.mininet_import import MininetMissing, import_mininet
 from topologies.runstate import RunState, RunStateError, is_same_process
-from topologies.targets import SwitchConfig, Target, TargetError, find_binary, find_tool, pipeline_files
+from topologies.targets import SwitchConfig, TargetError, find_binary, find_tool, pipeline_files
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ import threading
 from pathlib import Path
 from types import FrameType
 
+from checkmate.p4.program import Target
 from topologies.preflight import PreflightError, make_plan
 from topologies.runstate import FAILED, STOPPED, STOPPING, UP, RunState, process_start_time
-from topologies.targets import Target
 
 logger = logging.getLogger(__name__)
 

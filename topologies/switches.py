@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from checkmate.p4.program import Target
 from topologies.hosts import configure_switch_interface
 from topologies.mininet_import import import_mininet
-from topologies.targets import SwitchConfig, Target
+from topologies.targets import SwitchConfig
 
 import_mininet()
 from mininet.node import Switch  # noqa: E402  (needs import_mininet first)

@@ -11,7 +11,6 @@ same for both, only the binary differs.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import shutil
@@ -19,27 +18,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from checkmate.p4.program import BMV2_JSON_PATH, P4INFO_PATH, Target
+
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_P4INFO = REPO_ROOT / "p4src" / "checkmate.p4info.txtpb"
-DEFAULT_BMV2_JSON = REPO_ROOT / "build" / "v1model" / "checkmate.json"
-
-
-class Target(enum.Enum):
-    """The switch implementation a network runs on."""
-
-    EMBEDDED = "embedded"
-    """``checkmate-switch``: the Checkmate pipeline in software (always available)."""
-    BMV2 = "bmv2"
-    """``simple_switch_grpc`` from p4lang/behavioral-model (optional)."""
-
-    @property
-    def binary(self) -> str:
-        return BINARIES[self]
-
-
 BINARIES: dict[Target, str] = {Target.EMBEDDED: "checkmate-switch", Target.BMV2: "simple_switch_grpc"}
+"""The switch program of each target a network can run (a Tofino cannot be emulated)."""
 
 
 class TargetError(RuntimeError):
@@ -57,7 +41,12 @@ def find_tool(name: str, search_path: str | None = None) -> str | None:
 
 def find_binary(target: Target, search_path: str | None = None) -> str:
     """The absolute path of the target's binary, or TargetError naming what to install."""
-    found = find_tool(target.binary, search_path)
+    if target not in BINARIES:
+        raise TargetError(
+            f"--target {target.value}: an emulated network runs checkmate-switch (embedded) or "
+            "simple_switch_grpc (bmv2) only"
+        )
+    found = find_tool(BINARIES[target], search_path)
     if found is not None:
         return found
     if target is Target.BMV2:
@@ -72,13 +61,13 @@ def find_binary(target: Target, search_path: str | None = None) -> str:
 
 def pipeline_files(target: Target) -> tuple[Path, Path | None]:
     """P4Info and (for BMv2) the compiled JSON the controller pushes; TargetError if missing."""
-    if not DEFAULT_P4INFO.is_file():
-        raise TargetError(f"the P4Info {DEFAULT_P4INFO} is missing from the checkout")
+    if not P4INFO_PATH.is_file():
+        raise TargetError(f"the P4Info {P4INFO_PATH} is missing from the checkout")
     if target is Target.BMV2:
-        if not DEFAULT_BMV2_JSON.is_file():
-            raise TargetError(f"--target bmv2 needs the compiled program {DEFAULT_BMV2_JSON}: run `make p4`")
-        return DEFAULT_P4INFO, DEFAULT_BMV2_JSON
-    return DEFAULT_P4INFO, None
+        if not BMV2_JSON_PATH.is_file():
+            raise TargetError(f"--target bmv2 needs the compiled program {BMV2_JSON_PATH}: run `make p4`")
+        return P4INFO_PATH, BMV2_JSON_PATH
+    return P4INFO_PATH, None
 
 
 @dataclass(frozen=True)

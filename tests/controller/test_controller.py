@@ -9,6 +9,8 @@ import pytest
 
 from checkmate.job import JobSpec
 from checkmate.network import Network
+from checkmate.p4.p4info import P4InfoIndex, load_p4info
+from checkmate.p4.program import P4INFO_PATH
 from checkmate.scapy_layer import Checkmate
 from checkmate.wire import CHECKMATE_UDP_PORT, Flags
 from controller.controller import Controller
@@ -21,8 +23,6 @@ from controller.errors import (
     SwitchUnreachableError,
     WriteRejectedError,
 )
-from controller.p4info_names import P4InfoNames, load_p4info
-from controller.pipeline import DEFAULT_P4INFO
 from controller.switch_connection import SwitchConnection
 from tests.controller.conftest import TIMEOUT_S, Fabric, gradient
 
@@ -44,7 +44,7 @@ def behind_the_back(f: Fabric, switch: str, *updates: Update) -> None:
     """Write with another P4Runtime client (a higher election id makes it primary meanwhile)."""
     spec = f.network.switches[switch]
     with SwitchConnection(switch, spec.grpc, spec.device_id, election_id=50, timeout=TIMEOUT_S) as other:
-        codec = EntityCodec(P4InfoNames(load_p4info(DEFAULT_P4INFO)))
+        codec = EntityCodec(P4InfoIndex(load_p4info(P4INFO_PATH)))
         assert other.write([codec.to_update(u) for u in updates]) == [None] * len(updates)
 
 

@@ -9,11 +9,12 @@ import pytest
 
 from checkmate.job import JobSpec
 from checkmate.network import Network
+from checkmate.p4.p4info import P4InfoIndex, P4InfoNameError, load_p4info
+from checkmate.p4.program import P4INFO_PATH
 from controller.entities import EntityCodec, MulticastGroup, TableEntry, Update, UpdateKind, diff
 from controller.errors import CapacityError, JobError
 from controller.jobs import Taken, allocate, job_updates, plan_entities
-from controller.p4info_names import P4InfoNameError, P4InfoNames, load_p4info
-from controller.pipeline import DEFAULT_P4INFO, pack_tofino_config
+from controller.pipeline import pack_tofino_config
 from controller.registry import JobRecord, Registry
 from tests.controller.conftest import TOPOLOGIES
 
@@ -125,12 +126,12 @@ def test_diff_and_inverse_order() -> None:
 
 def test_names_resolve_unqualified_also_for_tna_p4info() -> None:
     """TNA's P4Info says pipe.CheckmateIngress.route_ipv4 and may carry no alias."""
-    info = load_p4info(DEFAULT_P4INFO)
+    info = load_p4info(P4INFO_PATH)
     for obj in (*info.tables, *info.actions, *info.counters):
         obj.preamble.name = "pipe." + obj.preamble.name
         obj.preamble.alias = ""
-    names = P4InfoNames(info)
-    reference = P4InfoNames(load_p4info(DEFAULT_P4INFO))
+    names = P4InfoIndex(info)
+    reference = P4InfoIndex(load_p4info(P4INFO_PATH))
     for table in ("route_ipv4", "lookup_job", "replicate_to_shadow", "rewrite_shadow_copy"):
         assert names.table_id(table) == reference.table_id(table)
     assert names.counter_id("shadow_copies") == reference.counter_id("shadow_copies")

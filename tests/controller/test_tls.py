@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from checkmate.p4.program import P4INFO_PATH
 from checkmate.tls import PkiFiles, TlsConfigError, TlsFiles, check_files, make_test_pki, server_args
 from controller.errors import ControllerError, SwitchUnreachableError
 from controller.switch_connection import SwitchConnection
-from embedded_switch import program
 from embedded_switch.cli import parse_config
 from embedded_switch.p4runtime_server import P4RuntimeServer
 from topologies.targets import SwitchConfig
@@ -35,7 +35,7 @@ def mtls_switch(pki: PkiFiles) -> Iterator[str]:
     server = P4RuntimeServer(
         DEVICE, "127.0.0.1:0", tls=TlsFiles(pki.ca, pki.server_cert, pki.server_key), client_auth=True
     )
-    server.load_pipeline(program.P4INFO_PATH)
+    server.load_pipeline(P4INFO_PATH)
     port = server.start()
     yield f"127.0.0.1:{port}"
     server.stop()

@@ -17,12 +17,12 @@ from p4.config.v1 import p4info_pb2
 
 from checkmate.job import JobSpec
 from checkmate.network import Network
+from checkmate.p4.p4info import P4InfoIndex, P4InfoNameError, load_p4info
+from checkmate.p4.program import P4INFO_PATH
+from checkmate.p4.tofino import tofino_counters
 from controller.counters import JOB_COUNTERS
 from controller.entities import EntityCodec, MulticastGroup, TableEntry
 from controller.jobs import Taken, allocate, plan_entities
-from controller.p4info_names import P4InfoNameError, P4InfoNames, load_p4info
-from controller.pipeline import DEFAULT_P4INFO
-from controller.tofino_p4info import tofino_counters
 from tests.controller.conftest import TOPOLOGIES
 
 TOFINO_P4INFO = Path(__file__).resolve().parents[2] / "p4src" / "tna" / "checkmate.tofino.p4info.txtpb"
@@ -30,13 +30,13 @@ DROP_COUNTERS = ("ingress_drops", "egress_drops")
 
 
 @pytest.fixture(scope="module")
-def tofino() -> P4InfoNames:
-    return P4InfoNames(load_p4info(TOFINO_P4INFO))
+def tofino() -> P4InfoIndex:
+    return P4InfoIndex(load_p4info(TOFINO_P4INFO))
 
 
 @pytest.fixture(scope="module")
-def v1model() -> P4InfoNames:
-    return P4InfoNames(load_p4info(DEFAULT_P4INFO))
+def v1model() -> P4InfoIndex:
+    return P4InfoIndex(load_p4info(P4INFO_PATH))
 
 
 def test_the_committed_file_is_the_tofino_compilers_form() -> None:
@@ -58,12 +58,12 @@ def test_the_committed_file_is_the_tofino_compilers_form() -> None:
 
 
 def test_every_name_and_width_the_controller_uses_matches_v1model(
-    tofino: P4InfoNames, v1model: P4InfoNames
+    tofino: P4InfoIndex, v1model: P4InfoIndex
 ) -> None:
     for table in ("route_ipv4", "lookup_job", "replicate_to_shadow", "rewrite_shadow_copy"):
         assert tofino.table_id(table) != v1model.table_id(table)  # other names, other ids
-        assert [(f.name, f.bitwidth, f.match_type) for f in tofino.match_fields(table)] == [
-            (f.name, f.bitwidth, f.match_type) for f in v1model.match_fields(table)
+        assert [(f.short_name, f.bitwidth, f.kind) for f in tofino.match_fields(table)] == [
+            (f.short_name, f.bitwidth, f.kind) for f in v1model.match_fields(table)
         ]
         assert tofino.table_size(table) == v1model.table_size(table)
     for action in ("forward", "set_job_slot", "set_multicast_group", "set_shadow_destination"):
@@ -81,7 +81,7 @@ def test_every_name_and_width_the_controller_uses_matches_v1model(
 
 @pytest.mark.parametrize("topology", ["single", "leafspine"])
 def test_a_jobs_entries_and_groups_encode_against_the_tofino_p4info(
-    topology: str, tofino: P4InfoNames, v1model: P4InfoNames
+    topology: str, tofino: P4InfoIndex, v1model: P4InfoIndex
 ) -> None:
     network = Network.load(TOPOLOGIES / f"{topology}.json")
     record = allocate(
@@ -115,7 +115,7 @@ def test_a_jobs_entries_and_groups_encode_against_the_tofino_p4info(
     assert groups == sum(1 for key in record.groups)
 
 
-def test_a_value_too_wide_for_a_tofino_field_is_refused(tofino: P4InfoNames) -> None:
+def test_a_value_too_wide_for_a_tofino_field_is_refused(tofino: P4InfoIndex) -> None:
     codec = EntityCodec(tofino)
     entry = TableEntry.make(
         "replicate_to_shadow",
@@ -132,4 +132,4 @@ def test_a_counter_extern_with_foreign_info_is_a_clear_error() -> None:
     counters = next(e for e in info.externs if e.extern_type_name == "Counter")
     counters.instances[0].info.Pack(p4info_pb2.PkgInfo(arch="tna"))
     with pytest.raises(ValueError, match="not barefoot.Counter"):
-        P4InfoNames(info)
+        P4InfoIndex(info)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from checkmate.p4.program import P4INFO_PATH
 from embedded_switch.cli import parse_config
-from embedded_switch.program import P4INFO_PATH
 from embedded_switch.testbed import REPO_ROOT
 
 

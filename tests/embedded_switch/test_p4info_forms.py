@@ -16,11 +16,13 @@ from google.protobuf import text_format
 from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2, p4runtime_pb2_grpc
 
+from checkmate.p4.p4info import load_p4info
+from checkmate.p4.program import P4INFO_PATH
 from embedded_switch import program
 from embedded_switch.p4runtime_server import P4RuntimeServer
 
 TIMEOUT_S = 5.0
-P4C_FORM = program.load_p4info()
+P4C_FORM = load_p4info()
 
 
 def older_form() -> p4info_pb2.P4Info:
@@ -36,7 +38,7 @@ def older_form() -> p4info_pb2.P4Info:
 
 
 def test_the_committed_p4info_is_p4cs_form() -> None:
-    assert program.P4INFO_PATH.suffix == ".txtpb"
+    assert P4INFO_PATH.suffix == ".txtpb"
     assert all(t.HasField("initial_default_action") for t in P4C_FORM.tables)
     assert "drop" in {a.preamble.alias for a in P4C_FORM.actions}
     names = {a.preamble.id: a.preamble.alias for a in P4C_FORM.actions}

@@ -21,6 +21,8 @@ from google.rpc import code_pb2, status_pb2
 from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2, p4runtime_pb2_grpc
 
+from checkmate.p4.p4info import load_p4info
+from checkmate.p4.program import P4INFO_PATH
 from embedded_switch import program
 from embedded_switch.p4runtime_server import (
     MAX_MULTICAST_GROUPS,
@@ -36,7 +38,7 @@ from embedded_switch.state import ActionCall, FieldMatch, MatchKind, Replica
 DEVICE_ID = 1
 CPU_PORT = 64
 TIMEOUT_S = 5.0
-P4INFO = program.load_p4info()
+P4INFO = load_p4info()
 TABLE_IDS = {t.preamble.alias: t.preamble.id for t in P4INFO.tables}
 ACTION_IDS = {a.preamble.alias: a.preamble.id for a in P4INFO.actions}
 COUNTER_IDS = {c.preamble.alias: c.preamble.id for c in P4INFO.counters}
@@ -284,7 +286,7 @@ def test_p4runtime_shell_pushes_pipeline_installs_entries_and_reads_them_back(
         device_id=DEVICE_ID,
         grpc_addr=switch.address,
         election_id=(0, 1),
-        config=shell.FwdPipeConfig(str(program.P4INFO_PATH), str(device_config)),
+        config=shell.FwdPipeConfig(str(P4INFO_PATH), str(device_config)),
         verbose=False,
     )
     try:
@@ -546,7 +548,7 @@ def test_load_pipeline_api(tmp_path: Path) -> None:
     seen = []
     server = P4RuntimeServer(DEVICE_ID, "127.0.0.1:0", on_pipeline=seen.append)
     assert server.state is None
-    server.load_pipeline(program.P4INFO_PATH)
+    server.load_pipeline(P4INFO_PATH)
     assert seen == [server.state] and server.state is not None
     foreign = p4info_pb2.P4Info()
     foreign.CopyFrom(P4INFO)

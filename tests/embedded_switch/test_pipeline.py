@@ -17,9 +17,10 @@ from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import ARP, Ether
 from scapy.packet import Packet
 
+from checkmate.p4.p4info import load_p4info
 from checkmate.scapy_layer import Checkmate
 from embedded_switch.pipeline import DropReason, Pipeline, ipv4_checksum
-from embedded_switch.program import build_state, load_p4info
+from embedded_switch.program import build_state
 from embedded_switch.state import FieldMatch, MatchKind, Replica, SwitchState
 from tests import switch_cases as sc
 from tests.p4_source import read_program

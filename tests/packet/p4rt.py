@@ -16,7 +16,7 @@ import grpc
 from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2, p4runtime_pb2_grpc
 
-from embedded_switch.program import load_p4info
+from checkmate.p4.p4info import load_p4info
 from tests.switch_cases import Entry, Group
 
 RPC_TIMEOUT_S = 10.0

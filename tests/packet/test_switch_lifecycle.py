@@ -18,10 +18,11 @@ import pytest
 from p4runtime_sh import shell as sh
 from scapy.utils import rdpcap
 
-from controller.pipeline import PipelineConfig, Target, push_pipeline
+from checkmate.p4.p4info import load_p4info
+from checkmate.p4.program import P4INFO_PATH, Target
+from controller.pipeline import PipelineConfig, push_pipeline
 from controller.switch_connection import SwitchConnection
 from embedded_switch import testbed
-from embedded_switch.program import P4INFO_PATH, load_p4info
 from tests import switch_cases as sc
 from tests.packet.conftest import BMV2_JSON, REPO_ROOT, Rig, open_rig, skip_reason
 from tests.packet.p4rt import P4RuntimeTestClient, device_config_for, entry_inserts, group_inserts

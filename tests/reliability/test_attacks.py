@@ -478,10 +478,10 @@ def test_oversized_and_slow_drip_control_messages_block_nobody(
 def test_p4runtime_clients_without_the_right_certificate_get_no_session(
     tmp_path: Path, reliability: Recorder
 ) -> None:
+    from checkmate.p4.program import P4INFO_PATH
     from checkmate.tls import TlsFiles, make_test_pki
     from controller.errors import SwitchUnreachableError
     from controller.switch_connection import SwitchConnection
-    from embedded_switch import program
     from embedded_switch.p4runtime_server import P4RuntimeServer
 
     case = (
@@ -496,7 +496,7 @@ def test_p4runtime_clients_without_the_right_certificate_get_no_session(
     server = P4RuntimeServer(
         1, "127.0.0.1:0", tls=TlsFiles(pki.ca, pki.server_cert, pki.server_key), client_auth=True
     )
-    server.load_pipeline(program.P4INFO_PATH)
+    server.load_pipeline(P4INFO_PATH)
     address = f"127.0.0.1:{server.start()}"
     attempts = {
         "plaintext": None,

@@ -19,7 +19,8 @@ import pytest
 
 from checkmate import wire
 from embedded_switch.pipeline import DropReason, Pipeline
-from embedded_switch.program import build_state, load_p4info
+from checkmate.p4.p4info import load_p4info
+from embedded_switch.program import build_state
 from tests import switch_cases as sc
 from tests.reliability.fuzz_frames import (
     Verdict,

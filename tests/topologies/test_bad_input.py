@@ -104,7 +104,8 @@ def test_missing_bmv2_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_missing_switch_binary_is_named() -> None:
-    from topologies.targets import Target, TargetError, find_binary
+    from checkmate.p4.program import Target
+    from topologies.targets import TargetError, find_binary
 
     with pytest.raises(TargetError, match="simple_switch_grpc"):
         find_binary(Target.BMV2, search_path="/nonexistent")

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from checkmate.p4.program import Target
 from tests.topologies.harness import REPO
 from topologies import preflight
 from topologies.preflight import make_plan
-from topologies.targets import Target
+from topologies.targets import BINARIES
 
 
 def test_embedded_plan_for_leafspine(tmp_path: Path) -> None:
@@ -47,7 +48,7 @@ def test_bmv2_plan_uses_the_same_command_line_and_pushes_the_json(
 ) -> None:
     bmv2_json = tmp_path / "checkmate.json"
     bmv2_json.write_text("{}")
-    monkeypatch.setattr(preflight, "find_binary", lambda target: f"/opt/bmv2/{target.binary}")
+    monkeypatch.setattr(preflight, "find_binary", lambda target: f"/opt/bmv2/{BINARIES[target]}")
     monkeypatch.setattr(
         preflight, "pipeline_files", lambda target: (REPO / "p4src/checkmate.p4info.txtpb", bmv2_json)
     )

@@ -8,7 +8,8 @@ types are known, so this module declares the few it needs (by field number, as t
 compiler encodes them) in the default descriptor pool and reads counters out of them.
 
 Compiled with ``--p4runtime-force-std-externs`` the compiler writes standard
-``counters`` instead (and drops the ``pipe.`` prefix); :class:`P4InfoNames` reads both.
+``counters`` instead (and drops the ``pipe.`` prefix); :class:`checkmate.p4.p4info.P4InfoIndex`
+reads both.
 """
 
 from __future__ import annotations
