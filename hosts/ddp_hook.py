@@ -1,0 +1,108 @@
+"""The DDP communication hook: every gradient bucket all-reduced on Checkmate's ring.
+
+:class:`CommHook` is the agent's part DDP calls once per bucket (:func:`_hook`, registered
+with ``register_comm_hook``), on the thread running the backward pass (autograd's; for a
+CPU model the training thread). It notes the bucket's layout (which parameters, which
+shadow shard), optionally compresses the bucket, and hands it to
+:meth:`~hosts.ring_allreduce.RingAllReduce.allreduce_async`, whose transport receive thread
+completes the future under the ring's own lock. At the last bucket of an iteration it
+sends the shadows a changed bucket layout (re-seeding them when the buckets were rebuilt)
+and counts the iteration; it takes no lock of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from checkmate.control import BucketLayout, BucketSpec, JobStart, ParamSlice, dtype_name
+from hosts.control_channel import ControlChannel
+from hosts.ddp_config import COMPRESSION, CheckmateConfig
+from hosts.ring_allreduce import ReduceOp, RingAllReduce
+
+logger = logging.getLogger(__name__)
+
+
+def _hook(agent: CommHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return agent.on_bucket(bucket)
+
+
+# DDP checks the hook's annotations against the real classes (not the postponed strings).
+_hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+
+
+class CommHook:
+    """The agent's bucket-by-bucket all-reduce and its iteration count."""
+
+    config: CheckmateConfig
+    names: dict[int, str]
+    ring: RingAllReduce
+    channel: ControlChannel | None
+    iteration: int
+    """The next all-reduce iteration."""
+    _bucket_layout: dict[int, BucketSpec]
+    _layout_sent: list[BucketSpec] | None
+    _uncommitted: int | None
+    _commit: Callable[..., None]
+    """ShadowMessages': commit an iteration."""
+    _job_start: Callable[[int], JobStart]
+    """ShadowMessages': the state before an iteration, for the shadows."""
+
+    def register(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Make this the DDP model's all-reduce."""
+        ddp_model.register_comm_hook(self, _hook)
+
+    def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        index = bucket.index()
+        wire = COMPRESSION[self.config.compress]
+        reduced = buffer.to(wire) if wire is not None and buffer.dtype is torch.float32 else buffer
+        if not self._bucket_layout and self._uncommitted is not None:
+            self._commit(self._uncommitted, skipped=True, capture=False)
+        offset = 0
+        slices = []
+        for p in bucket.parameters():
+            slices.append(ParamSlice(self.names.get(id(p), f"<unnamed:{id(p)}>"), offset, p.numel()))
+            offset += p.numel()
+        self._bucket_layout[index] = BucketSpec(
+            bucket_id=index,
+            dtype=dtype_name(reduced.dtype),
+            num_elements=buffer.numel(),
+            shard_key=self.config.shard_key_for_bucket(index),
+            params=tuple(slices),
+        )
+        future = self.ring.allreduce_async(self.iteration, index, reduced, ReduceOp.AVG)
+        if bucket.is_last():
+            self._end_of_iteration()
+        # Always hand DDP a chained future: a failed all-reduce stores its exception as the
+        # Python future's value, which DDP's C++ side would report as "Unable to cast ... to
+        # Tensor"; raised inside a then() callback it becomes a proper error with our message.
+        device = buffer.device
+
+        def result(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            value = fut.value()  # raises the CollectiveError / PeerTimeoutError of a failed ring
+            if reduced is not buffer:  # compressed: widened exactly as the shadows widen it
+                return buffer.copy_(value.to(device))
+            return value if device.type == "cpu" else value.to(device)  # CUDA: back from host memory
+
+        return future.then(result)
+
+    def _end_of_iteration(self) -> None:
+        layout = [self._bucket_layout[i] for i in sorted(self._bucket_layout)]
+        if layout != self._layout_sent:
+            rebuilt = self._layout_sent is not None
+            self._layout_sent = layout
+            if self.channel is not None:
+                if rebuilt:
+                    # Buckets (and with them parameters) may move between shadows: re-seed every
+                    # shadow with the state before this iteration's step, then the new layout
+                    # (docs/protocol.md, "Bucket layout changes"). The parameters are untouched
+                    # until this iteration's optimizer step, so this is exactly that state.
+                    self.channel.post(self._job_start(self.iteration))
+                self.channel.post(BucketLayout(self.config.job_id, self.iteration, layout))
+        self._bucket_layout = {}
+        self._uncommitted = self.iteration
+        self.iteration += 1
