@@ -69,8 +69,8 @@ def measure(kind: str, numel: int, iterations: int, tensors: int = 16) -> dict[s
 def measure_fingerprint(repeats: int = 50) -> dict[str, Any]:
     """Fingerprint cost vs one TinyLM training iteration (see the module docstring)."""
     from checkmate.fingerprint import fingerprint
-    from topologies.examples.tiny_lm import ModelConfig, TinyLM, loss_of
-    from topologies.examples.train_lm import TrainConfig
+    from examples.tiny_lm import ModelConfig, TinyLM, loss_of
+    from examples.train_lm import TrainConfig
 
     config = TrainConfig()
     torch.manual_seed(config.seed)
@@ -126,7 +126,7 @@ def measure_disk(sizes: Sequence[int], repeats: int, directory: str | None = Non
     import tempfile
     from pathlib import Path
 
-    from checkmate import checkpoint_format as fmt
+    from checkmate import checkpoint as fmt
 
     rows = []
     for numel in sizes:
@@ -185,8 +185,8 @@ def measure_job_state() -> dict[str, Any]:
     """Commit bytes the job state adds, against the iteration's gradient bytes (see module docstring)."""
     from checkmate.control import Commit, encode_message
     from checkmate.job_state import capture
-    from topologies.examples.tiny_lm import TinyLM
-    from topologies.examples.train_lm import TrainConfig
+    from examples.tiny_lm import TinyLM
+    from examples.train_lm import TrainConfig
 
     class Cursor:
         def __init__(self) -> None:

@@ -13,6 +13,6 @@ lines), :mod:`~topologies.switches` and :mod:`~topologies.hosts` (Mininet
 nodes), :mod:`~topologies.network_runner` (the bring-up itself),
 :mod:`~topologies.supervisor` (the process that holds the network while
 ``up`` has returned), :mod:`~topologies.runstate` and :mod:`~topologies.cleanup`
-(what was created, and taking it away), :mod:`~topologies.cli`; and
-:mod:`~topologies.send_tagged`, a stand-in worker to run inside a host.
+(what was created, and taking it away), :mod:`~topologies.cli`. The programs
+that run inside the hosts are in ``examples/``.
 """

@@ -13,7 +13,7 @@ Steps (each a progress bar):
 3. **shadows**: ``checkmate-shadow run`` in sh1 and sh2, snapshotting every
    iteration into one shared directory;
 4. **training**: :class:`~topologies.launcher.Launcher` runs
-   ``topologies/examples/train_lm.py`` (TinyLM, AdamW, cosine LR, clipping)
+   ``examples/train_lm.py`` (TinyLM, AdamW, cosine LR, clipping)
    in h1-h3, kills one worker with SIGKILL during ``--kill-at``, and restarts
    all three from the shadows' latest certified state;
 5. **verify**: the shadows' state after the last iteration, fetched from
@@ -584,7 +584,7 @@ class DemoRun:
             host_addresses={w: self._address(w) for w in config.workers},
             shrink_on_failure=config.elastic and not reference,
             min_workers=2,
-            command=(config.python, "-m", "topologies.examples.train_lm", *args, *config.model_args),
+            command=(config.python, "-m", "examples.train_lm", *args, *config.model_args),
             log_dir=log_dir,
             env={
                 **_secret_env(job_file, {}),

@@ -7,7 +7,7 @@ in host ``workers[r]`` through the network's exec mechanism
 would set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``) plus the job's (``CHECKMATE_JOB_FILE``, ...), and watches
 them: their exit status and the JSON-lines log each worker appends to
-(``<log_dir>/rank<r>.jsonl``, see :mod:`topologies.examples.train_lm`).
+(``<log_dir>/rank<r>.jsonl``, see :mod:`examples.train_lm`).
 
 When a worker dies (any non-zero exit, a signal, a worker that stops making
 progress for ``stall_timeout`` seconds, or a start that takes longer than
@@ -85,7 +85,7 @@ class LaunchConfig:
     master_addr: str
     """Rank 0's address, for the gloo rendezvous."""
     command: tuple[str, ...]
-    """The worker's argv (e.g. ``python -m topologies.examples.train_lm ... --log DIR/rank{rank}.jsonl``)."""
+    """The worker's argv (e.g. ``python -m examples.train_lm ... --log DIR/rank{rank}.jsonl``)."""
     log_dir: Path
     """Where each worker appends ``rank<r>.jsonl`` (the command must write there) and ``rank<r>.out``."""
     env: Mapping[str, str] = field(default_factory=dict)

@@ -13,7 +13,7 @@ import torch
 
 from tests.gallery.test_gallery import ROOT, Job, _shadows
 
-SCRIPT = str(ROOT / "topologies" / "examples" / "train_ddp.py")
+SCRIPT = str(ROOT / "examples" / "train_ddp.py")
 
 
 def _run(nodes: list, steps: int, save: Path, resume: bool = False) -> list[int]:

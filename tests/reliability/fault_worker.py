@@ -5,7 +5,7 @@ instead of ``train_lm`` itself. It is ``train_lm.main`` unchanged, plus:
 
 * after every iteration, a line in ``FAULTJOB_DIGESTS`` (``{rank}`` is replaced) with
   the SHA-256 of the parameters and of the optimizer state right after the step
-  (:func:`tests.reliability.digests.state_digests`);
+  (:func:`checkmate.checkpoint.digest.state_digests`);
 * after a restore, a line with the digests of the state the workers restored;
 * at the end, the host agent's transport counters (faults injected, retransmissions);
 * duplicated and reordered datagrams from ``FAULTJOB_DUPLICATE`` / ``FAULTJOB_REORDER``
@@ -28,10 +28,10 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import hosts
+from checkmate.checkpoint.digest import state_digests
+from examples import train_lm
 from hosts import ddp
-from tests.reliability.digests import state_digests
-from topologies.examples import train_lm
-from topologies.recovery import optimizer_states_by_name
+from hosts.recovery import optimizer_states_by_name
 
 DIGESTS_ENV = "FAULTJOB_DIGESTS"
 DUPLICATE_ENV = "FAULTJOB_DUPLICATE"

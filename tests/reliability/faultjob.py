@@ -40,16 +40,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from checkmate.checkpoint_format import (
+from checkmate.checkpoint import (
     PARAM_STATE,
     STEP_DIR,
     CheckpointError,
     CheckpointReader,
     complete_steps,
 )
+from checkmate.checkpoint.digest import state_digests
 from checkmate.control import DEFAULT_CONTROL_PORT
 from checkmate.wire import CHECKMATE_UDP_PORT
-from tests.reliability.digests import state_digests
 from tests.topologies.harness import root_interfaces
 from topologies.demo import (
     CTL,
@@ -264,7 +264,7 @@ class FaultJob(DemoRun):
     def _launch_config(self, *args: Any, **kwargs: Any) -> LaunchConfig:
         base: LaunchConfig = super()._launch_config(*args, **kwargs)
         command = list(base.command)
-        command[command.index("topologies.examples.train_lm")] = "tests.reliability.fault_worker"
+        command[command.index("examples.train_lm")] = "tests.reliability.fault_worker"
         self.digest_dir.mkdir(parents=True, exist_ok=True)
         env = {
             **base.env,

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from topologies.examples.train_lm import BaselineCheckpointer, JsonLog
+from examples.train_lm import BaselineCheckpointer, JsonLog
 
 
 def test_checkfreq_persists_the_state_of_the_step_not_later_updates(tmp_path: Path) -> None:

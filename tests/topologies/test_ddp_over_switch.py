@@ -3,9 +3,9 @@ reduced gradient element exactly once per iteration.
 
 Each test brings ``single`` up on the embedded target (taken down again even on
 failure), registers a job with ``checkmate-ctl job add`` (shadows sh1, sh2; no
-shadow node runs: ``topologies.capture`` only records what reaches each
-shadow's port), and runs ``topologies/examples/train_ddp.py`` on the workers
-with ``checkmate-net exec``, under ``topologies.ddp_probe`` (which records the
+shadow node runs: ``examples.capture`` only records what reaches each
+shadow's port), and runs ``examples/train_ddp.py`` on the workers
+with ``checkmate-net exec``, under ``examples.ddp_probe`` (which records the
 buckets DDP reduced, the reduced bytes, the tags sent and the final
 parameters without touching the script). Then, for every iteration and every
 bucket of the layout actually used:
@@ -52,7 +52,7 @@ from tests.topologies.harness import REPO, RunningNetwork, root_interfaces, topo
 
 pytestmark = pytest.mark.root
 
-SCRIPT = REPO / "topologies" / "examples" / "train_ddp.py"
+SCRIPT = REPO / "examples" / "train_ddp.py"
 MARK = "# Checkmate"
 PYTHON = str(REPO / ".venv" / "bin" / "python")
 SHADOWS = ("sh1", "sh2")
@@ -70,7 +70,7 @@ class Run:
     probes: list[dict[str, Any]]
     """ddp_probe's report per rank, in rank order."""
     captures: dict[str, dict[str, Any]]
-    """topologies.capture's summary per shadow."""
+    """examples.capture's summary per shadow."""
     shown: dict[str, Any]
     """``checkmate-ctl job show --json``."""
     switch_drops: dict[str, int] = field(default_factory=dict)
@@ -209,13 +209,13 @@ def train_through_switch(
             )
         )
         for shadow in SHADOWS:
-            argv = [PYTHON, "-m", "topologies.capture", "--port", str(spec.shadow_port)]
+            argv = [PYTHON, "-m", "examples.capture", "--port", str(spec.shadow_port)]
             argv += ["--out", str(folder / f"{shadow}.json"), "--ready", str(folder / f"{shadow}.ready")]
             argv += ["--max-seconds", str(TRAIN_TIMEOUT_S * 2)]
             captures[shadow] = _start(net, shadow, argv, folder / f"capture-{shadow}.log")
         _wait_files([folder / f"{s}.ready" for s in SHADOWS])
 
-        argv = [PYTHON, "-m", "topologies.ddp_probe", "--out", str(probe_dir), str(SCRIPT)]
+        argv = [PYTHON, "-m", "examples.ddp_probe", "--out", str(probe_dir), str(SCRIPT)]
         argv += ["--steps", str(steps), "--save", str(folder / "checkmate.pt")]
         outputs, seconds = _train(net, folder, workers, argv, "checkmate")
         time.sleep(0.5)  # copies still queued in the switch or a socket

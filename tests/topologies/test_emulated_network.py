@@ -187,7 +187,7 @@ def test_tagged_packet_reaches_ring_neighbour_and_rewritten_copy_reaches_shadow(
         [
             sys.executable,
             "-m",
-            "topologies.send_tagged",
+            "examples.send_tagged",
             "--job",
             str(JOB_ID),
             "--to",

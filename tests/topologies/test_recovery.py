@@ -5,7 +5,7 @@ Each test runs :class:`topologies.demo.DemoRun` (what ``make demo`` runs) with a
 small TinyLM and few iterations: ``single`` on the embedded target (its switch
 renamed so the test can run next to another network), a job with workers
 h1-h3 and shadows sh1, sh2, ``checkmate-shadow`` in both shadows,
-``topologies/examples/train_lm.py`` in the workers under
+``examples/train_lm.py`` in the workers under
 :class:`topologies.launcher.Launcher`, which SIGKILLs rank 1 during an
 iteration and restarts all three. Afterwards the same job runs without the
 failure, as the reference. Everything is torn down, also on failure.

@@ -4,8 +4,8 @@
 (workers h1, h2) and job 32 (workers h3, h4) are registered with ``checkmate-ctl``; both
 use shadow hosts sh1 and sh2, job 31 on UDP port 48879 and job 32 on port 50000 (one
 shadow process per job on a host, docs/controller.md "Many jobs"). A receiver per job
-and shadow host (``topologies.capture``) records what reaches that job's port. Both jobs
-run ``topologies/examples/train_ddp.py`` at the same time. Then, for each job, the
+and shadow host (``examples.capture``) records what reaches that job's port. Both jobs
+run ``examples/train_ddp.py`` at the same time. Then, for each job, the
 checks of tests/topologies/test_ddp_over_switch.py: its shadows received every reduced
 element of its own buckets exactly once with the reduced bytes, and **no copy of the
 other job** (the capture keys copies by job id), and the job's switch counters equal what
@@ -85,7 +85,7 @@ def test_two_jobs_share_shadow_hosts_in_the_emulated_network(tmp_path: Path) -> 
                 )
             )
             for shadow in SHADOWS:
-                argv = [PYTHON, "-m", "topologies.capture", "--port", str(spec.shadow_port)]
+                argv = [PYTHON, "-m", "examples.capture", "--port", str(spec.shadow_port)]
                 argv += ["--out", str(folder / f"{shadow}.json"), "--ready", str(folder / f"{shadow}.ready")]
                 argv += ["--max-seconds", str(TRAIN_TIMEOUT_S * 2)]
                 captures.append(_start(net, shadow, argv, folder / f"capture-{shadow}.log"))
@@ -96,7 +96,7 @@ def test_two_jobs_share_shadow_hosts_in_the_emulated_network(tmp_path: Path) -> 
 
         def train(spec: JobSpec) -> None:
             folder = tmp_path / f"job{spec.job_id}"
-            argv = [PYTHON, "-m", "topologies.ddp_probe", "--out", str(folder / "probe"), str(SCRIPT)]
+            argv = [PYTHON, "-m", "examples.ddp_probe", "--out", str(folder / "probe"), str(SCRIPT)]
             argv += ["--steps", str(STEPS), "--save", str(folder / "checkmate.pt")]
             try:
                 outcomes[spec.job_id] = _train(net, folder, spec.workers, argv, f"job{spec.job_id}")

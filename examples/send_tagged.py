@@ -1,6 +1,6 @@
 """Send tagged Checkmate DATA datagrams from inside a host: a stand-in worker for trying the network.
 
-    checkmate-net exec h1 -- python -m topologies.send_tagged --job 1 --to 10.0.1.2 --count 10
+    checkmate-net exec h1 -- python -m examples.send_tagged --job 1 --to 10.0.1.2 --count 10
 
 Each datagram carries ``--elements`` fp32 values, ``REPLICATE`` set, the job
 id and the shard key (``--shard``, default 0), so a switch with the job
@@ -47,7 +47,7 @@ def datagrams(job: int, shard: int, rank: int, count: int, elements: int) -> lis
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m topologies.send_tagged", description=__doc__.splitlines()[0]
+        prog="python -m examples.send_tagged", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--job", type=int, required=True, help="job id")
     parser.add_argument("--to", required=True, help="IPv4 address of the ring neighbour")

@@ -6,7 +6,7 @@ AdamW with a cosine learning rate set per iteration, gradient clipping, and
 deterministic batches (:func:`batch_for`: a pure function of the iteration,
 so the iteration is the whole data position)::
 
-    python -m topologies.examples.train_lm --iterations 100 --log logs/rank{rank}.jsonl
+    python -m examples.train_lm --iterations 100 --log logs/rank{rank}.jsonl
 
 Checkmate adds one line (``hosts.enable_checkmate``, configured from
 ``CHECKMATE_*`` variables, see :class:`hosts.ddp.CheckmateConfig`). With
@@ -45,8 +45,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import hosts
+from examples.tiny_lm import ModelConfig, TinyLM, batch_for, cosine_lr, load_corpus, loss_of
 from hosts.recovery import ResumePoint, optimizer_digest, optimizer_states_by_name, parameters_digest
-from topologies.examples.tiny_lm import ModelConfig, TinyLM, batch_for, cosine_lr, load_corpus, loss_of
 
 logger = logging.getLogger("train_lm")
 

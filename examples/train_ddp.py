@@ -3,7 +3,7 @@
 Launch it like any DDP script, with ``torchrun`` or with the variables
 torchrun sets (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)::
 
-    torchrun --nproc-per-node 2 topologies/examples/train_ddp.py --steps 20
+    torchrun --nproc-per-node 2 examples/train_ddp.py --steps 20
 
 It trains a small MLP classifier on a synthetic but deterministic data set
 (a fixed random "teacher" labels Gaussian inputs; the same seed gives the same

@@ -1,6 +1,6 @@
 """Run an unmodified DDP script and record what its Checkmate agent did, for tests and benchmarks.
 
-    python -m topologies.ddp_probe --out DIR -- SCRIPT [SCRIPT ARGS...]
+    python -m examples.ddp_probe --out DIR -- SCRIPT [SCRIPT ARGS...]
 
 runs ``SCRIPT`` as ``__main__`` (like ``python SCRIPT``), with
 :func:`hosts.enable_checkmate` wrapped so that the agent it makes is watched:
@@ -142,7 +142,7 @@ class AgentProbe:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m topologies.ddp_probe", description=__doc__.splitlines()[0]
+        prog="python -m examples.ddp_probe", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--out", type=Path, required=True, help="folder for rank<RANK>.json")
     parser.add_argument("script", type=Path, help="the DDP script")

@@ -1,6 +1,6 @@
 """A stand-in shadow that only records what arrives on its port: coverage of each reduced bucket.
 
-    checkmate-net exec sh1 -- python -m topologies.capture --port 48879 --out sh1.json [--ready FILE]
+    checkmate-net exec sh1 -- python -m examples.capture --port 48879 --out sh1.json [--ready FILE]
 
 Binds a UDP socket on ``--port`` (the job's ``shadow_port``) in the host it
 runs in, decodes every datagram with :mod:`checkmate.wire`, and on SIGTERM or
@@ -180,7 +180,7 @@ class Recorder:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m topologies.capture", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m examples.capture", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--port", type=int, default=CHECKMATE_UDP_PORT, help="UDP port (the job's shadow_port)"
     )
