@@ -21,18 +21,14 @@ from google.rpc import code_pb2, status_pb2
 from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2, p4runtime_pb2_grpc
 
+from checkmate.p4.bytestrings import encode_bytestring
 from checkmate.p4.p4info import load_p4info
 from checkmate.p4.program import P4INFO_PATH
 from embedded_switch import program
-from embedded_switch.p4runtime_server import (
-    MAX_MULTICAST_GROUPS,
-    P4RuntimeServer,
-    ProgramIndex,
-    _Failure,
-    decode_bytestring,
-    encode_bytestring,
-    translate_key,
-)
+from embedded_switch.p4runtime.errors import Failure, decode_value
+from embedded_switch.p4runtime.index import ProgramIndex, translate_key
+from embedded_switch.p4runtime.write import MAX_MULTICAST_GROUPS
+from embedded_switch.p4runtime_server import P4RuntimeServer
 from embedded_switch.state import ActionCall, FieldMatch, MatchKind, Replica
 
 DEVICE_ID = 1
@@ -1043,18 +1039,18 @@ def test_ternary_range_optional_keys() -> None:
         ([_fm(1, ternary={"value": b"\x01", "mask": b"\x01"})] * 2, 1, "given twice"),
     ]
     for matches, priority, fragment in bad:
-        with pytest.raises(_Failure) as info:
+        with pytest.raises(Failure) as info:
             translate_key(table, matches, priority)  # type: ignore[arg-type]
         assert info.value.code == code_pb2.INVALID_ARGUMENT and fragment in info.value.message
 
 
 def test_bytestrings_follow_the_canonical_rules() -> None:
-    assert decode_bytestring(b"\x01", 9, "f") == 1
-    assert decode_bytestring(b"\x00\x01", 9, "f") == 1  # padded to the full width
-    assert decode_bytestring(b"\x01\xff", 9, "f") == 511
+    assert decode_value(b"\x01", 9, "f") == 1
+    assert decode_value(b"\x00\x01", 9, "f") == 1  # padded to the full width
+    assert decode_value(b"\x01\xff", 9, "f") == 511
     for bad in (b"", b"\x02\x00", b"\x00\x00\x01"):
-        with pytest.raises(_Failure):
-            decode_bytestring(bad, 9, "f")
+        with pytest.raises(Failure):
+            decode_value(bad, 9, "f")
     assert encode_bytestring(0) == b"\x00" and encode_bytestring(256) == b"\x01\x00"
 
 

@@ -23,7 +23,8 @@ from google.rpc import code_pb2, status_pb2
 from p4.v1 import p4runtime_pb2
 from p4.v1.p4runtime_pb2 import Update, WriteRequest
 
-from embedded_switch.p4runtime_server import P4RuntimeServer, encode_bytestring
+from checkmate.p4.bytestrings import encode_bytestring
+from embedded_switch.p4runtime_server import P4RuntimeServer
 from tests.embedded_switch.test_p4runtime_server import (
     ACTION_IDS,
     DEVICE_ID,
