@@ -45,8 +45,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import hosts
+from checkmate.checkpoint.digest import optimizer_digest, parameters_digest
 from examples.tiny_lm import ModelConfig, TinyLM, batch_for, cosine_lr, load_corpus, loss_of
-from hosts.recovery import ResumePoint, optimizer_digest, optimizer_states_by_name, parameters_digest
+from hosts.recovery import ResumePoint, optimizer_states_by_name
 
 logger = logging.getLogger("train_lm")
 
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# ---- baseline checkpointing (what users do today; topologies/bench.py compares it) ------------
+# ---- baseline checkpointing (what users do today; experiments/bench/cli.py compares it) ------------
 CHECKPOINT_KINDS = ("none", "torch-save", "checkfreq", "dcp-async", "dcp-process")
 
 

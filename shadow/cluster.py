@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from checkmate import checkpoint_format as fmt
+from checkmate import checkpoint as fmt
 from shadow.restore import Addr, shadow_status
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,9 @@
 """Restore client: fetch the latest consistent state from the shadows' memory.
 
+:class:`ShadowMemory` is the shadows' memory as a state source
+(:class:`checkmate.checkpoint.source.StateSource`, next to the snapshot
+directory); the functions below are what it does.
+
 Each shadow holds its shard (the parameters of the buckets it owns, with
 their optimizer state). A consistent state is every shard *after the same
 iteration*. :func:`fetch_state` asks every shadow for its status, picks the
@@ -12,21 +16,34 @@ data position after the restored iteration (what they set with
 ``CheckmateAgent.set_data_position``), or None when no shadow knows it; its
 ``job_state`` holds the buffers, stateful objects and param groups after it
 (:mod:`checkmate.job_state`), or None when the workers sent none.
+
+The command a host runs to report the shadows' state (digests of parameters
+and optimizer state, :mod:`checkmate.checkpoint.digest`)::
+
+    python -m shadow.restore digest --shadow sh1=10.0.9.1:48880 --shadow sh2=10.0.9.2:48880 \
+        --iteration 99 --out FILE
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import socket
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from checkmate.checkpoint.digest import optimizer_digest, parameters_digest
+from checkmate.checkpoint.source import SOURCE_SHADOW_MEMORY, RestoredState, SourceError
 from checkmate.control import (
+    DEFAULT_CONTROL_PORT,
+    ControlProtocolError,
     JobStart,
     Message,
     RestoreRefused,
@@ -199,3 +216,144 @@ def fetch_state(addresses: Sequence[Addr], timeout: float = 10.0, job_id: int = 
             elif all(r.iteration < target for r in refusals):
                 # Someone cannot reach the target (no more data comes): settle for the common minimum.
                 target = min(r.iteration for r in refusals)
+
+
+# ---- the shadows' memory as a state source -------------------------------------------------
+def state_of_merged(state: Mapping[str, Any], detail: str) -> RestoredState:
+    """A :func:`merge_shards` / :func:`fetch_state` result as a source's :class:`RestoredState`."""
+    optimizer = dict(state.get("optimizer") or {})
+    return RestoredState(
+        iteration=int(state["iteration"]),
+        source=SOURCE_SHADOW_MEMORY,
+        parameters=dict(state["parameters"]),
+        optimizer_state={n: dict(s) for n, s in state["optimizer_state"].items()},
+        optimizer_step=int(state.get("optimizer_step") or 0),
+        data_position=state.get("data_position"),
+        detail=detail,
+        job_state=state.get("job_state"),
+        optimizer_kind=optimizer.get("kind"),
+        lost_iterations=0,
+        optimizer=optimizer,
+    )
+
+
+class ShadowMemory:
+    """The state the shadows hold in memory, fetched over their control port.
+
+    ``shadows``: name -> control (TCP) address. :meth:`latest` is the latest
+    iteration every shadow can serve; :meth:`at` exactly one iteration.
+    """
+
+    kind = SOURCE_SHADOW_MEMORY
+
+    def __init__(self, shadows: Mapping[str, Addr], job_id: int = 0) -> None:
+        self.shadows = dict(shadows)
+        self.job_id = job_id
+
+    def describe(self) -> str:
+        return "the memory of shadows " + ", ".join(sorted(self.shadows))
+
+    def latest(self, timeout: float) -> RestoredState:
+        if not self.shadows:
+            raise SourceError("no shadow addresses")
+        try:
+            state = fetch_state(list(self.shadows.values()), timeout=timeout, job_id=self.job_id)
+        except (RestoreError, OSError, ControlProtocolError) as exc:
+            raise SourceError(f"the shadows cannot serve a state: {exc}") from None
+        return state_of_merged(
+            state, ", ".join(f"{name}@{it}" for name, it in sorted(state["shadows"].items()))
+        )
+
+    def at(self, iteration: int, timeout: float) -> RestoredState:
+        """Every shadow's shard of the state after exactly ``iteration`` (waiting up to ``timeout``)."""
+        if not self.shadows:
+            raise SourceError("no shadow addresses")
+        names = list(self.shadows)
+        with ThreadPoolExecutor(max_workers=len(names)) as pool:
+            try:
+                replies = list(
+                    pool.map(
+                        lambda n: fetch_shard(self.shadows[n], iteration, timeout, timeout, self.job_id),
+                        names,
+                    )
+                )
+            except (RestoreError, OSError, ControlProtocolError) as exc:
+                raise SourceError(f"cannot fetch iteration {iteration} from the shadows: {exc}") from None
+        refused = [
+            f"{n}: {r.reason}" for n, r in zip(names, replies, strict=True) if not isinstance(r, JobStart)
+        ]
+        if refused:
+            raise SourceError(f"shadows refused iteration {iteration}: {'; '.join(refused)}")
+        try:
+            state = merge_shards([r for r in replies if isinstance(r, JobStart)])
+        except RestoreError as exc:
+            raise SourceError(str(exc)) from None
+        return state_of_merged(state, ", ".join(names))
+
+
+# ---- the digest command (run inside a host that reaches the shadows) ----------------------
+def _address(text: str) -> tuple[str, Addr]:
+    name, sep, rest = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=HOST[:PORT]")
+    host, colon, port = rest.rpartition(":")
+    try:
+        return name, ((host, int(port)) if colon else (rest, DEFAULT_CONTROL_PORT))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=HOST[:PORT]") from None
+
+
+def _digest_command(args: argparse.Namespace) -> int:
+    source = ShadowMemory(dict(args.shadow))
+    started = time.monotonic()
+    document: dict[str, Any] = {"shadows": sorted(source.shadows), "iteration": args.iteration}
+    try:
+        if args.iteration is None:
+            state = source.latest(args.timeout)
+        else:
+            state = source.at(args.iteration, args.timeout)
+        document.update(
+            ok=True,
+            iteration=state.iteration,
+            optimizer_step=state.optimizer_step,
+            params_sha256=parameters_digest(state.parameters),
+            optimizer_sha256=optimizer_digest(state.optimizer_state),
+            parameters=len(state.parameters),
+        )
+    except SourceError as exc:
+        document.update(ok=False, error=str(exc))
+    document["seconds"] = round(time.monotonic() - started, 3)
+    text = json.dumps(document, indent=1, sort_keys=True)
+    if args.out is not None:
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(text + "\n")
+        tmp.replace(args.out)
+    else:
+        sys.stdout.write(text + "\n")
+    return 0 if document["ok"] else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m shadow.restore", description="Report the state the shadows hold in memory."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    digest = commands.add_parser("digest", help="digests of the shadows' state (parameters, optimizer)")
+    digest.add_argument("--shadow", type=_address, action="append", required=True, help="NAME=HOST[:PORT]")
+    digest.add_argument(
+        "--iteration", type=int, default=None, help="exactly this iteration (default: latest)"
+    )
+    digest.add_argument("--timeout", type=float, default=30.0)
+    digest.add_argument("--out", type=Path, default=None, help="write the JSON here (default stdout)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    return _digest_command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

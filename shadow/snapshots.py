@@ -3,9 +3,11 @@
 The shadow calls :meth:`Snapshotter.offer` after every applied iteration. When a
 snapshot is due (every K iterations or T seconds) the caller's ``capture``
 clones the state — the only work done on the caller's thread — and a writer
-thread persists it with :mod:`checkmate.checkpoint_format` (atomic, fsynced),
+thread persists it with :mod:`checkmate.checkpoint.storage` (atomic, fsynced),
 moves ``latest`` forward once every shard of the step is on disk, and prunes
-old steps. Packet receipt is never blocked by the disk.
+old steps. Only the shadow-process policy lives here (when to capture, which
+held capture to write, how far the disk lags); the format and every write are
+the checkpoint package's. Packet receipt is never blocked by the disk.
 
 The disk keeps up by coalescing: while the writer is busy, due captures are
 held (the newest ``policy.hold``); when it frees up it writes the newest one —
@@ -28,7 +30,8 @@ from typing import Any
 
 import torch
 
-from checkmate import checkpoint_format as fmt
+from checkmate.checkpoint import storage
+from checkmate.checkpoint.format import GLOBAL_FILE, step_dir
 from checkmate.job_state import JobState
 
 logger = logging.getLogger(__name__)
@@ -136,7 +139,7 @@ class Snapshotter:
     def _choose(self) -> Snapshot:
         """The held snapshot to write next (condition held): a step another shard started, else the newest."""
         steps = sorted(self._held)
-        started = [s for s in steps if (fmt.step_dir(self.policy.directory, s) / "global.json").is_file()]
+        started = [s for s in steps if (step_dir(self.policy.directory, s) / GLOBAL_FILE).is_file()]
         step = started[-1] if started else steps[-1]
         chosen = self._held.pop(step)
         for older in [s for s in self._held if s < step]:
@@ -166,13 +169,13 @@ class Snapshotter:
     def _write(self, snapshot: Snapshot) -> None:
         started = time.monotonic()
         root = self.policy.directory
-        fmt.write_global(
+        storage.write_global(
             root, snapshot.step, snapshot.parameters, snapshot.optimizer, snapshot.extra, snapshot.job_state
         )
-        fmt.write_shard(root, snapshot.step, snapshot.shard, snapshot.num_shards, snapshot.states)
-        if snapshot.step in fmt.complete_steps(root):
-            fmt.update_latest(root, snapshot.step)
-            fmt.prune(root, self.policy.keep)
+        storage.write_shard(root, snapshot.step, snapshot.shard, snapshot.num_shards, snapshot.states)
+        if snapshot.step in storage.complete_steps(root):
+            storage.update_latest(root, snapshot.step)
+            storage.prune(root, self.policy.keep)
         self.stats.written += 1
         self.stats.last_step = snapshot.step
         self.stats.last_seconds = time.monotonic() - started
@@ -211,12 +214,12 @@ def disk_status(directory: Path, applied_iteration: int) -> dict[str, Any]:
     minus it; None without a step), ``age_seconds`` (since its ``global.json`` was
     written).
     """
-    steps = fmt.complete_steps(directory)
+    steps = storage.complete_steps(directory)
     if not steps:
         return {"newest_complete_step": None, "age_iterations": None, "age_seconds": None}
     newest = steps[-1]
     try:
-        written = (fmt.step_dir(directory, newest) / "global.json").stat().st_mtime
+        written = (step_dir(directory, newest) / GLOBAL_FILE).stat().st_mtime
         age_seconds: float | None = round(max(0.0, time.time() - written), 3)
     except OSError:
         age_seconds = None

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from checkmate import checkpoint_format as fmt
+from checkmate import checkpoint as fmt
 from checkmate.control import Commit, JobStart, attach_job_state, decode_message, encode_message, job_state_of
 from checkmate.control_frame import ControlProtocolError
 from checkmate.job_state import MAX_JOB_STATE_BYTES, JobState, JobStateError, capture, load_stateful, merge
@@ -192,7 +192,7 @@ def test_a_corrupted_job_state_file_is_refused(tmp_path: Path) -> None:
 def test_checkmate_ckpt_inspect_names_the_job_state(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from checkmate.checkpoint_cli import main
+    from checkmate.checkpoint.cli import main
 
     model, optimizer, scheduler = _model()
     _write(tmp_path, capture(model, {"scheduler": scheduler}, optimizer))

@@ -1,6 +1,6 @@
 """Universal checkpointing across parallel layouts (TP, PP, DP, ZeRO-1/2/3, FSDP2).
 
-The universal format (:mod:`checkmate.checkpoint_format`) stores every parameter
+The universal format (:mod:`checkmate.checkpoint.format`) stores every parameter
 whole, by fully-qualified name. This package maps it to and from the shards a
 parallel job holds:
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from checkmate.checkpoint_format import CheckpointError, CheckpointReader
+from checkmate.checkpoint import CheckpointError, CheckpointReader
 from checkmate.universal.geometry import Box, extents, flat_range_boxes, numel, slices, whole
 
 logger = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from checkmate import checkpoint_format as fmt
-from checkmate.checkpoint_format import PARAM_STATE, CheckpointError, CheckpointReader
+from checkmate import checkpoint as fmt
+from checkmate.checkpoint import PARAM_STATE, CheckpointError, CheckpointReader
 from checkmate.universal.box_reader import BoxReader
 from checkmate.universal.extract import AtomMerger, Record, records_of_flat, records_of_tensor
 from checkmate.universal.geometry import numel
@@ -95,7 +95,7 @@ def staged_output(output: Path) -> Iterator[Path]:
     try:
         yield staging
         os.replace(staging, output)
-        fmt._fsync_dir(output.parent)
+        fmt.fsync_dir(output.parent)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from checkmate import checkpoint_format as fmt
-from checkmate.checkpoint_format import PARAM_STATE, CheckpointError
+from checkmate import checkpoint as fmt
+from checkmate.checkpoint import PARAM_STATE, CheckpointError
 from checkmate.universal.convert import staged_output
 from checkmate.universal.extract import AtomMerger, records_of_tensor
 from checkmate.universal.layout import LocalTensor, storage_pieces

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from checkmate.checkpoint_format import PARAM_STATE, CheckpointError, CheckpointReader
+from checkmate.checkpoint import PARAM_STATE, CheckpointError, CheckpointReader
 from checkmate.universal.box_reader import BoxReader
 from checkmate.universal.geometry import numel, restrict, slices
 from checkmate.universal.layout import FlatPartition, Layout, LocalTensor, rank_holdings, storage_pieces

@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from checkmate import checkpoint_format as fmt
+from checkmate import checkpoint as fmt
 from checkmate.job_state import JobState
 from checkmate.universal.extract import Record
 from checkmate.universal.layout import Layout
@@ -64,7 +64,7 @@ def write_rank_file(folder: Path, rank: int, records: Sequence[Record]) -> Path:
     with tmp.open("rb+") as handle:
         os.fsync(handle.fileno())
     tmp.replace(data)
-    fmt._atomic_write_json(
+    fmt.atomic_write_json(
         folder / f"{stem}.json",
         {"version": RANK_FORMAT_VERSION, "rank": rank, "file": data.name, "entries": entries},
     )
@@ -102,7 +102,7 @@ def write_layout_file(
             tensors = {k: t.detach().contiguous().clone() for k, t in sorted(job_state.tensors.items())}
             save_file(tensors, str(folder / JOB_STATE_FILE))
     path = folder / LAYOUT_FILE
-    fmt._atomic_write_json(path, document)
+    fmt.atomic_write_json(path, document)
     return path
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from checkmate import checkpoint_format as fmt
+from checkmate import checkpoint as fmt
 from checkmate.universal.layout import Layout
 from checkmate.universal.load import _local, load_module
 from checkmate.universal.save import save_records, save_universal

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from checkmate import checkpoint_format as fmt
-from checkmate.checkpoint_format import PARAM_STATE
+from checkmate import checkpoint as fmt
+from checkmate.checkpoint import PARAM_STATE
 from checkmate.job_state import JobState
 from checkmate.universal.extract import AtomMerger, Record, records_of_tensor
 from checkmate.universal.geometry import numel, whole

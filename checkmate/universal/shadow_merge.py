@@ -1,10 +1,18 @@
 """Shadows of a TP x DP job: TP-sharded snapshots merged into universal atoms.
 
-Design piece for Checkmate with tensor parallelism (the shadows and hosts do
-not call it yet; docs/checkpoint-format.md "Checkmate for TP x DP jobs"). With
-TP x DP, the DP group of TP index t all-reduces the gradients of t's TP-local
-parameters, so the shadows that copy that group's traffic hold TP-local
-state. At a snapshot of step s:
+Checkmate with tensor parallelism (docs/checkpoint-format.md "Checkmate for TP x
+DP jobs"). With TP x DP, the DP group of TP index t all-reduces the gradients of
+t's TP-local parameters: it is its own Checkmate job, a *lane*
+(:attr:`checkmate.job.JobSpec.tp_index`), and the shadows that copy that
+group's traffic hold, and snapshot, TP-local state.
+
+:func:`merge_lane_snapshots` is what a real job uses: it reads each lane's
+snapshot directory (its shadows' ordinary snapshots, TP-local tensors by
+parameter name) at a step every lane has complete, and writes one universal
+checkpoint through the two steps below, which restores into any TP degree.
+
+The two steps (also usable by the shadows themselves, one writer each). At a
+snapshot of step s:
 
 1. shadow k (of K) of TP index t calls :func:`write_tp_snapshot` with the
    TP-local tensors it owns: they become records (logical boxes, via the
@@ -32,8 +40,9 @@ from typing import Any
 
 import torch
 
-from checkmate import checkpoint_format as fmt
-from checkmate.checkpoint_format import CheckpointError
+from checkmate import checkpoint as fmt
+from checkmate.checkpoint import CheckpointError
+from checkmate.job_state import JobState
 from checkmate.universal.extract import AtomMerger, Record, records_of_tensor
 from checkmate.universal.layout import Layout, rank_holdings
 from checkmate.universal.rank_files import rank_stem, read_rank_records, write_rank_file
@@ -86,8 +95,12 @@ def merge_tp_snapshots(
     optimizer: Mapping[str, Any],
     extra: Mapping[str, Any] | None = None,
     timeout: float = 60.0,
+    job_state: JobState | None = None,
 ) -> Path:
-    """Merge writer ``writer`` of ``writers``: wait for every snapshot, write universal shard ``writer``."""
+    """Merge writer ``writer`` of ``writers``: wait for every snapshot, write universal shard ``writer``.
+
+    Writer 0 also writes ``global.json`` (with ``job_state``: buffers, schedulers, param groups).
+    """
     staging = staging_dir(root, step)
     sources = tp * shadows
     deadline = time.monotonic() + timeout
@@ -114,8 +127,87 @@ def merge_tp_snapshots(
             {n: (list(s), "torch.float32") for n, s in shapes.items()},
             optimizer,
             {**dict(extra or {}), "universal": universal},
+            job_state=job_state,
         )
     if step in fmt.complete_steps(Path(root)):
         fmt.update_latest(Path(root), step)
         shutil.rmtree(staging, ignore_errors=True)
     return fmt.step_dir(Path(root), step)
+
+
+def lane_steps(lanes: Sequence[Path]) -> list[int]:
+    """The steps complete in every lane's snapshot directory, oldest first."""
+    common: set[int] | None = None
+    for lane in lanes:
+        steps = set(fmt.complete_steps(Path(lane)))
+        common = steps if common is None else common & steps
+    return sorted(common or ())
+
+
+def _lane_reader(lane: Path, step: int, tp_index: int, tp: int) -> fmt.CheckpointReader:
+    reader = fmt.CheckpointReader(Path(lane), step)
+    extra = reader.global_state.get("extra", {})
+    said = (extra.get("tp_degree", 1), extra.get("tp_index", 0))
+    if said != (tp, tp_index):
+        raise LayoutError(
+            f"{lane} step {step} holds TP index {said[1]} of {said[0]} (job {extra.get('job_id')}), "
+            f"but it was given as lane {tp_index} of {tp}: list every lane, in TP index order"
+        )
+    return reader
+
+
+def merge_lane_snapshots(
+    lanes: Sequence[Path],
+    root: Path,
+    spec: ReshapeSpec,
+    shapes: Mapping[str, Sequence[int]],
+    step: int | None = None,
+    timeout: float = 60.0,
+) -> int:
+    """One universal checkpoint in ``root`` from the snapshots of a TP x DP job's lanes.
+
+    ``lanes[t]``: the snapshot directory of TP index t's shadows (each a complete
+    Checkmate checkpoint of that TP shard: TP-local tensors under the parameters'
+    names); ``spec`` and ``shapes`` describe the model's TP sharding and logical
+    shapes (as for :func:`~checkmate.universal.save.save_universal`). ``step``: the
+    newest step every lane has complete when None. Returns the step written.
+    Everything is checked before ``root`` gets a complete step: a lane whose job
+    description names another TP index, a tensor whose shape the TP layout does not
+    give, or lanes whose replicated parameters differ raise, leaving no step readers
+    would take as complete. Lane 0's optimizer description, job state and extra
+    (data position) go into ``global.json``.
+    """
+    tp = len(lanes)
+    if tp < 1:
+        raise LayoutError("no lanes to merge")
+    if step is None:
+        steps = lane_steps(lanes)
+        if not steps:
+            raise CheckpointError(f"no step is complete in every lane: {[str(p) for p in lanes]}")
+        step = steps[-1]
+    readers = [_lane_reader(lane, step, t, tp) for t, lane in enumerate(lanes)]
+    for t, reader in enumerate(readers):
+        states: dict[str, dict[str, torch.Tensor]] = {}
+        for name in reader.parameters:
+            states[name] = {state: reader.parameter(name, state) for state in reader.states_of(name)}
+        write_tp_snapshot(root, step, t, tp, 0, 1, states, spec, shapes)
+    first = readers[0]
+    lane_keys = ("job_id", "shards", "tp_degree", "tp_index")  # per lane: not the merged checkpoint's
+    extra = {k: v for k, v in first.global_state.get("extra", {}).items() if k not in lane_keys}
+    extra["lane_job_ids"] = [r.global_state.get("extra", {}).get("job_id") for r in readers]
+    merge_tp_snapshots(
+        root,
+        step,
+        0,
+        1,
+        tp,
+        1,
+        spec,
+        shapes,
+        first.global_state.get("optimizer", {}),
+        extra,
+        timeout=timeout,
+        job_state=first.job_state(),
+    )
+    logger.info("merged %d TP lanes' step %d into %s", tp, step, root)
+    return step

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from checkmate.checkpoint_format import CheckpointError
+from checkmate.checkpoint import CheckpointError
 
 
 class LayoutError(CheckpointError):

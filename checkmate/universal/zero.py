@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from checkmate.checkpoint_format import PARAM_STATE, CheckpointReader
+from checkmate.checkpoint import PARAM_STATE, CheckpointReader
 from checkmate.universal.extract import Record, records_of_flat, records_of_tensor
 from checkmate.universal.layout import Layout, rank_holdings
 from checkmate.universal.load import load_rank

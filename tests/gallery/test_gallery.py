@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import torch
 
-from checkmate import checkpoint_format as fmt
+from checkmate import checkpoint as fmt
 from checkmate.wire import CHECKMATE_UDP_PORT
 from hosts.recovery import from_snapshots
 from shadow.node import ShadowConfig, ShadowNode

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from checkmate import checkpoint_format as fmt
+from checkmate import checkpoint as fmt
 from tests.reliability.record import Recorder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ SCRIPTS = {
     "checkmate-ctl": "controller.cli",
     "checkmate-net": "topologies.cli",
     "checkmate-shadow": "shadow.cli",
-    "checkmate-ckpt": "checkmate.checkpoint_cli",
+    "checkmate-ckpt": "checkmate.checkpoint.cli",
 }
 
 DRIVER = r"""

@@ -31,10 +31,10 @@ from typing import Any
 import pytest
 import torch
 
-from checkmate import checkpoint_cli
-from checkmate import checkpoint_format as fmt
-from checkmate.checkpoint_format import CheckpointError, CheckpointReader
-from checkmate.checkpoint_load import load_into
+from checkmate import checkpoint as fmt
+from checkmate.checkpoint import CheckpointError, CheckpointReader, storage
+from checkmate.checkpoint import cli as checkpoint_cli
+from checkmate.checkpoint.load import load_into
 from checkmate.network import Network, NetworkError
 from tests.reliability.fuzz_frames import tally
 from tests.reliability.record import Recorder
@@ -564,7 +564,7 @@ def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint(
     assert before is not None
     good = _hash_tree(fmt.step_dir(root, before))
     step = max(int(p.name[5:]) for p in root.glob("step-*")) + 1
-    original = fmt.save_file
+    original = storage.save_file
     calls = []
 
     def failing(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str]) -> None:
@@ -574,12 +574,12 @@ def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint(
             raise OSError(28, "No space left on device")
         original(tensors, filename, metadata=metadata)
 
-    fmt.save_file = failing  # type: ignore[assignment]
+    storage.save_file = failing  # type: ignore[assignment]
     try:
         with pytest.raises(OSError, match="No space"):
             _write(root, step, _state(2))
     finally:
-        fmt.save_file = original
+        storage.save_file = original
     assert fmt.read_latest(root) == before and step not in fmt.complete_steps(root)
     assert CheckpointReader(root).step != step
     with pytest.raises(CheckpointError, match="not complete|expected one complete set"):

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from checkmate import checkpoint_format as fmt
-from checkmate.checkpoint_format import CheckpointReader
-from checkmate.checkpoint_load import data_position
+from checkmate import checkpoint as fmt
+from checkmate.checkpoint import CheckpointReader
+from checkmate.checkpoint.load import data_position
 from checkmate.control import MAX_DATA_POSITION_BYTES, BucketLayout, Commit, JobStart, RestoreRefused
 from shadow.node import ShadowConfig, ShadowNode
 from shadow.repair import RepairPolicy

@@ -17,10 +17,11 @@ import pytest
 import torch
 from torch import nn
 
-from checkmate import checkpoint_format as fmt
+from checkmate import checkpoint as fmt
+from checkmate.checkpoint.source import RestoredState
 from checkmate.control import JobStart, ParamSpec
 from checkmate.optimizers import describe, pin_implementation
-from hosts.recovery import RestoredState, from_snapshots, load_state
+from hosts.recovery import from_snapshots, load_state
 from shadow.node import ShadowNode
 from shadow.optimizer_apply import OptimizerSpec, StepRecord
 from shadow.restore import merge_shards

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from checkmate import checkpoint_format as fmt
+from checkmate import checkpoint as fmt
 from shadow.cluster import certified_through, snapshot_certified_through
 from shadow.node import ShadowConfig, ShadowNode
 from shadow.repair import RepairPolicy

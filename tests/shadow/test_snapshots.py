@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkmate import checkpoint_format as fmt
-from checkmate.checkpoint_format import CheckpointReader
+from checkmate import checkpoint as fmt
+from checkmate.checkpoint import CheckpointReader
 from shadow.snapshots import Snapshot, SnapshotPolicy, Snapshotter, disk_status
 
 

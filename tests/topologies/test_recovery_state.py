@@ -91,4 +91,3 @@ def test_a_state_of_another_model_is_refused(tmp_path: Path) -> None:
     state.parameters["head.weight"] = torch.zeros(3, 3)
     with pytest.raises(ResumeError, match="head.weight: state shape"):
         load_state(*_model_and_optimizer(0), state)
-

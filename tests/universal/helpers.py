@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from checkmate import checkpoint_format as fmt
+from checkmate import checkpoint as fmt
 from checkmate.universal.tiny import TinyConfig, logical_shapes, tiny_spec
 
 CONFIG = TinyConfig()

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkmate import checkpoint_format as fmt
-from checkmate.checkpoint_cli import main
-from checkmate.checkpoint_format import CheckpointReader
+from checkmate import checkpoint as fmt
+from checkmate.checkpoint import CheckpointReader
+from checkmate.checkpoint.cli import main
 from checkmate.universal import convert
 from checkmate.universal.layout import Layout, rank_holdings
 from checkmate.universal.load import checkpoint_shapes, load_module

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkmate import checkpoint_format as fmt
+from checkmate import checkpoint as fmt
 from checkmate.universal.box_reader import BoxReader, box_runs
 from checkmate.universal.extract import AtomMerger, Record
 from checkmate.universal.geometry import flat_range_boxes, numel, slices

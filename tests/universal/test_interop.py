@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkmate.checkpoint_export import export_deepspeed_universal
-from checkmate.checkpoint_format import CheckpointError, CheckpointReader
+from checkmate.checkpoint import CheckpointError, CheckpointReader
+from checkmate.checkpoint.export import export_deepspeed_universal
 from checkmate.universal.interop import import_dcp, import_deepspeed_universal
 from checkmate.universal.layout import Layout
 from checkmate.universal.load import load_rank
@@ -108,7 +108,7 @@ def test_dcp_checkpoint_of_a_real_run_imports_element_for_element(tmp_path: Path
 
 
 def test_dcp_import_with_a_tp_degree_its_rules_cannot_split_fails_before_writing(tmp_path: Path) -> None:
-    from checkmate.checkpoint_export import export_dcp
+    from checkmate.checkpoint.export import export_dcp
 
     reader = write_atoms(tmp_path / "u", random_atoms(8))
     export_dcp(reader, tmp_path / "dcp")

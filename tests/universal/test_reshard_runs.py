@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkmate.checkpoint_format import CheckpointReader
+from checkmate.checkpoint import CheckpointReader
 from checkmate.universal.runs import RunJob, run_layout, write_initial
 from checkmate.universal.tiny import TinyConfig
 
@@ -125,7 +125,7 @@ def test_fsdp2_checkpoint_resumes_as_tp_by_dp(
 
 
 def test_checkpoint_of_a_tp_job_loads_into_a_plain_model(source_run: tuple[Path, dict[int, float]]) -> None:
-    from checkmate.checkpoint_load import load_into
+    from checkmate.checkpoint.load import load_into
     from checkmate.universal.tiny import TinyLM
 
     root, _ = source_run

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkmate import checkpoint_format as fmt
-from checkmate.checkpoint_format import CheckpointError, CheckpointReader
+from checkmate import checkpoint as fmt
+from checkmate.checkpoint import CheckpointError, CheckpointReader
 from checkmate.universal.layout import Layout
 from checkmate.universal.load import checkpoint_shapes, load_rank
 from checkmate.universal.shadow_merge import merge_tp_snapshots, staging_dir, write_tp_snapshot

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkmate import checkpoint_format as fmt
-from checkmate.checkpoint_cli import main
+from checkmate import checkpoint as fmt
+from checkmate.checkpoint.cli import main
 
 
 @pytest.fixture

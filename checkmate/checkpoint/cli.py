@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from checkmate import checkpoint_format as fmt
-from checkmate.checkpoint_export import export_dcp, export_deepspeed_universal, export_safetensors, reshard
-from checkmate.checkpoint_format import CheckpointError, CheckpointReader
-from checkmate.checkpoint_load import data_position
+from checkmate.checkpoint import storage
+from checkmate.checkpoint.export import export_dcp, export_deepspeed_universal, export_safetensors, reshard
+from checkmate.checkpoint.format import CheckpointError
+from checkmate.checkpoint.load import data_position
+from checkmate.checkpoint.reader import CheckpointReader
 from checkmate.universal.convert import from_rank_files, plan, to_rank_files
 from checkmate.universal.interop import import_dcp, import_deepspeed_universal
 from checkmate.universal.layout import Layout
@@ -43,8 +44,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     summary = {
         "root": str(reader.root),
         "step": reader.step,
-        "complete_steps": fmt.complete_steps(reader.root),
-        "latest": fmt.read_latest(reader.root),
+        "complete_steps": storage.complete_steps(reader.root),
+        "latest": storage.read_latest(reader.root),
         "optimizer": reader.global_state.get("optimizer", {}).get("kind"),
         "data_position": data_position(reader),
         "format_version": reader.global_state.get("format_version"),

@@ -11,7 +11,8 @@
   ``<tag>/zero/optimizer_state.pt`` (param groups) and ``latest_universal``.
 * ``reshard``: the same checkpoint rewritten by K' shard writers.
 
-Every export reads only through :class:`CheckpointReader`, so it is validated first.
+Every export reads only through :class:`~checkmate.checkpoint.reader.CheckpointReader`, so it is
+validated first; ``reshard`` writes through :mod:`checkmate.checkpoint.storage`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from checkmate import checkpoint_format as fmt
-from checkmate.checkpoint_format import PARAM_STATE, CheckpointReader
+from checkmate.checkpoint import storage
+from checkmate.checkpoint.format import PARAM_STATE, CheckpointError, step_dir
+from checkmate.checkpoint.reader import CheckpointReader
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +121,7 @@ def export_deepspeed_universal(reader: CheckpointReader, output: Path, tag: str 
 def reshard(reader: CheckpointReader, output: Path, num_shards: int) -> Path:
     """Rewrite the checkpoint with ``num_shards`` writers, whole parameters balanced by size."""
     if num_shards < 1:
-        raise fmt.CheckpointError("reshard needs at least one shard")
+        raise CheckpointError("reshard needs at least one shard")
     loads = [0] * num_shards
     owners: list[list[str]] = [[] for _ in range(num_shards)]
     by_size = sorted(reader.parameters, key=lambda n: (-_numel(reader, n), n))
@@ -128,7 +130,7 @@ def reshard(reader: CheckpointReader, output: Path, num_shards: int) -> Path:
         owners[target].append(name)
         loads[target] += _numel(reader, name)
     parameters = {n: (list(m["shape"]), m["dtype"]) for n, m in reader.parameters.items()}
-    fmt.write_global(
+    storage.write_global(
         output,
         reader.step,
         parameters,
@@ -137,9 +139,9 @@ def reshard(reader: CheckpointReader, output: Path, num_shards: int) -> Path:
     )
     for shard, names in enumerate(owners):
         states = {n: {s: reader.parameter(n, s) for s in reader.states_of(n)} for n in names}
-        fmt.write_shard(output, reader.step, shard, num_shards, states)
-    fmt.update_latest(output, reader.step)
-    return fmt.step_dir(output, reader.step)
+        storage.write_shard(output, reader.step, shard, num_shards, states)
+    storage.update_latest(output, reader.step)
+    return step_dir(output, reader.step)
 
 
 def _numel(reader: CheckpointReader, name: str) -> int:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkmate import checkpoint_format as fmt
-from checkmate.checkpoint_format import CheckpointError, CheckpointReader
+from checkmate import checkpoint as fmt
+from checkmate.checkpoint import CheckpointError, CheckpointReader
 
 
 def model_state() -> dict[str, dict[str, torch.Tensor]]:

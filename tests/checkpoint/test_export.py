@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from checkmate import checkpoint_format as fmt
-from checkmate.checkpoint_export import export_dcp, export_deepspeed_universal, export_safetensors, reshard
-from checkmate.checkpoint_format import CheckpointReader
+from checkmate import checkpoint as fmt
+from checkmate.checkpoint import CheckpointReader
+from checkmate.checkpoint.export import export_dcp, export_deepspeed_universal, export_safetensors, reshard
 
 torch.set_num_threads(1)
 

@@ -1,0 +1,256 @@
+"""Where checkpoint bytes go: atomic writes, the ``latest`` pointer, complete steps, pruning.
+
+* :func:`write_global` / :func:`write_shard` write one step's ``global.json``
+  and one shard writer's data file + manifest (:mod:`checkmate.checkpoint.format`
+  says what they hold). Every file is written to a temporary name, fsynced,
+  renamed, and the directory fsynced (:func:`atomic_write_bytes`); a shard's
+  manifest is written last, so its presence means the shard is whole.
+* A step counts only when ``global.json`` and all K shard manifests are present
+  (:func:`complete_steps`), so a crash mid-write leaves the previous step
+  intact and the partial one ignored. :func:`update_latest` moves ``latest``
+  forward only; :func:`prune` keeps the newest complete steps.
+* :func:`capture_states` / :func:`parameters_of` clone what a writer needs from
+  live objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save as safetensors_bytes
+from safetensors.torch import save_file
+
+from checkmate.checkpoint.format import (
+    FORMAT_VERSION,
+    GLOBAL_FILE,
+    LATEST_FILE,
+    PARAM_STATE,
+    SHARD_MANIFEST,
+    STEP_DIR,
+    CheckpointError,
+    sha256_file,
+    shard_stem,
+    step_dir,
+    step_name,
+    tensor_key,
+    tensor_sha256,
+)
+from checkmate.job_state import JobState
+
+logger = logging.getLogger(__name__)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so a rename inside it survives a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so a reader sees the old file or the whole new one, never a part."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    with tmp.open("wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, document: Mapping[str, Any]) -> None:
+    """:func:`atomic_write_bytes` of ``document`` as indented, key-sorted JSON."""
+    atomic_write_bytes(path, (json.dumps(document, indent=1, sort_keys=True) + "\n").encode())
+
+
+def write_global(
+    root: Path,
+    step: int,
+    parameters: Mapping[str, tuple[list[int], str]],
+    optimizer: Mapping[str, Any],
+    extra: Mapping[str, Any] | None = None,
+    job_state: JobState | None = None,
+) -> Path:
+    """Write ``global.json`` for ``step``. ``parameters``: name -> (shape, dtype string).
+
+    ``job_state``'s tensors go first into ``job-state-<sha256 prefix>.safetensors``
+    (named by its content, so shadows writing the same step never overwrite each
+    other's file under another's checksum), then global.json names the file.
+    """
+    directory = step_dir(root, step)
+    directory.mkdir(parents=True, exist_ok=True)
+    document: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "parameters": {n: {"shape": list(s), "dtype": d} for n, (s, d) in sorted(parameters.items())},
+        "optimizer": dict(optimizer),
+        "extra": dict(extra or {}),
+    }
+    if job_state is not None:
+        entry: dict[str, Any] = {"document": job_state.document, "file": None, "file_sha256": None}
+        if job_state.tensors:
+            data = safetensors_bytes(
+                {k: t.detach().contiguous().cpu() for k, t in sorted(job_state.tensors.items())}
+            )
+            digest = hashlib.sha256(data).hexdigest()
+            name = f"job-state-{digest[:16]}.safetensors"
+            if not (directory / name).is_file():
+                atomic_write_bytes(directory / name, data)
+            entry.update(file=name, file_sha256=digest)
+        document["job_state"] = entry
+    path = directory / GLOBAL_FILE
+    atomic_write_json(path, document)
+    return path
+
+
+def write_shard(
+    root: Path,
+    step: int,
+    shard: int,
+    num_shards: int,
+    states: Mapping[str, Mapping[str, torch.Tensor]],
+    ranges: Mapping[str, tuple[int, int]] | None = None,
+) -> Path:
+    """Write shard ``shard`` of ``num_shards`` for ``step``: ``states[name][state] = tensor``.
+
+    A tensor holds the whole state unless ``ranges[name]`` says it holds elements
+    [start, end) of the flattened parameter (ZeRO-style writers); 0-d states
+    such as Adam's ``step`` are always whole.
+    """
+    if not 0 <= shard < num_shards:
+        raise CheckpointError(f"shard {shard} is not one of 0..{num_shards - 1}")
+    directory = step_dir(root, step)
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = shard_stem(shard, num_shards)
+    tensors: dict[str, torch.Tensor] = {}
+    entries = []
+    for name, by_state in sorted(states.items()):
+        for state, tensor in sorted(by_state.items()):
+            key = tensor_key(name, state)
+            value = tensor.detach().contiguous().cpu()
+            if value.dim() == 0:
+                start, end = 0, 1
+            elif ranges and name in ranges:
+                start, end = ranges[name]
+            else:
+                start, end = 0, value.numel()
+            if end - start != value.numel():
+                raise CheckpointError(f"{key}: range [{start}, {end}) but the tensor has {value.numel()}")
+            tensors[key] = value
+            entries.append(
+                {
+                    "name": name,
+                    "state": state,
+                    "start": start,
+                    "end": end,
+                    "key": key,
+                    "shape": list(value.shape),
+                    "dtype": str(value.dtype),
+                    "sha256": tensor_sha256(value),
+                }
+            )
+    data_path = directory / f"{stem}.safetensors"
+    tmp = data_path.with_name(f".{data_path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    save_file(tensors, str(tmp), metadata={"format_version": str(FORMAT_VERSION), "step": str(step)})
+    with tmp.open("rb+") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, data_path)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "shard": shard,
+        "num_shards": num_shards,
+        "file": data_path.name,
+        "file_sha256": sha256_file(data_path),
+        "entries": entries,
+    }
+    manifest_path = directory / f"{stem}.json"
+    atomic_write_json(manifest_path, manifest)  # the manifest last: its presence means the shard is whole
+    return manifest_path
+
+
+def update_latest(root: Path, step: int) -> None:
+    """Point ``root/latest`` at ``step`` unless it already names a later complete step."""
+    current = read_latest(root)
+    if current is not None and current >= step:
+        return
+    atomic_write_bytes(root / LATEST_FILE, f"{step_name(step)}\n".encode())
+
+
+def read_latest(root: Path) -> int | None:
+    """The step ``root/latest`` names (None: no pointer, or not a step name)."""
+    try:
+        match = STEP_DIR.match((root / LATEST_FILE).read_text(encoding="utf-8").strip())
+    except FileNotFoundError:
+        return None
+    except UnicodeDecodeError:
+        logger.warning("%s: not a step name; ignored", root / LATEST_FILE)
+        return None
+    return int(match.group(1)) if match else None
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps under ``root`` whose global record and every shard manifest are present, ascending."""
+    steps: list[int] = []
+    if not root.is_dir():
+        return steps
+    for entry in root.iterdir():
+        match = STEP_DIR.match(entry.name)
+        if not match or not (entry / GLOBAL_FILE).is_file():
+            continue
+        counts: dict[int, set[int]] = {}
+        for manifest in entry.iterdir():
+            shard_match = SHARD_MANIFEST.match(manifest.name)
+            if shard_match:
+                counts.setdefault(int(shard_match.group(2)), set()).add(int(shard_match.group(1)))
+        if any(len(shards) == total for total, shards in counts.items()):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def prune(root: Path, keep: int) -> list[int]:
+    """Remove all but the newest ``keep`` complete steps (and older partial ones)."""
+    complete = complete_steps(root)
+    kept = set(complete[-keep:]) if keep > 0 else set()
+    oldest_kept = min(kept) if kept else None
+    removed = []
+    for entry in root.iterdir() if root.is_dir() else []:
+        match = STEP_DIR.match(entry.name)
+        if not match:
+            continue
+        step = int(match.group(1))
+        if step in kept or (oldest_kept is not None and step > oldest_kept):
+            continue  # newer partial steps may still be in the making
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(step)
+    return sorted(removed)
+
+
+def parameters_of(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[list[int], str]]:
+    """name -> (shape, dtype) for ``write_global``."""
+    return {name: (list(t.shape), str(t.dtype)) for name, t in named}
+
+
+def capture_states(
+    named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Clone ``{name: {"param": value, <optimizer state>: tensor}}`` from live objects."""
+    states: dict[str, dict[str, torch.Tensor]] = {}
+    for name, parameter in named:
+        record = {PARAM_STATE: parameter.detach().clone()}
+        if optimizer is not None:
+            for key, value in optimizer.state.get(parameter, {}).items():
+                record[key] = torch.as_tensor(value).detach().clone()
+        states[name] = record
+    return states
