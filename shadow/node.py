@@ -54,7 +54,7 @@ from typing import Any, NamedTuple
 import torch
 from safetensors.torch import load_file
 
-from checkmate import checkpoint_format as fmt
+from checkmate import checkpoint as fmt
 from checkmate.auth import DatagramKeys, secret_from_env
 from checkmate.control import (
     BucketLayout as LayoutMessage,
@@ -169,6 +169,9 @@ class _Job:
     shard_index: int
     num_shards: int
     spec: JobSpec | None
+    fingerprint_every: int = 0
+    """Rank 0 fingerprints every K-th iteration (and the last one it waits for); 0: never (GPU
+    parameters): iterations are then certified on trust."""
 
 
 class _CommitEntry(NamedTuple):
@@ -262,6 +265,8 @@ class ShadowNode:
         self._diverged: dict[str, Any] | None = None
         """Set when the state differed from rank 0's fingerprint, until rank 0 re-seeds this shadow."""
         self._last_divergence: dict[str, Any] | None = None
+        self._retiring: set[socket.socket] = set()
+        """Control connections this shadow said goodbye on: read and discarded until rank 0 closes."""
         self._blocked: str | None = None
         self._captures: dict[int, list[_Capture]] = {}
         self._repairs: RepairTracker | None = None
@@ -579,9 +584,20 @@ class ShadowNode:
 
     def _serve(self, conn: socket.socket, peer: Addr) -> None:
         is_control = False
+        retired_at: float | None = None
         try:
             while not self._stop.is_set():
+                if retired_at is None and conn in self._retiring:
+                    retired_at = time.monotonic()
                 readable, _, _ = select.select([conn], [], [], 0.2)
+                if retired_at is not None:
+                    # Said goodbye: what rank 0 sent meanwhile is discarded (unread bytes at close
+                    # would reset the connection and could lose the goodbye and a 'diverged').
+                    if readable and conn.recv(1 << 16):
+                        continue
+                    if readable or time.monotonic() - retired_at > self.config.io_timeout:
+                        return  # rank 0 closed its side (or never did)
+                    continue
                 if not readable:
                     if is_control and self._control_conn is not conn:
                         return  # replaced by a newer connection from rank 0
@@ -613,6 +629,7 @@ class ShadowNode:
             with self._lock:
                 if self._control_conn is conn:
                     self._control_conn = None
+                self._retiring.discard(conn)
             conn.close()
 
     def _adopt_control(self, conn: socket.socket) -> None:
@@ -635,15 +652,25 @@ class ShadowNode:
             return False
 
     def _request_state(self, conn: socket.socket, why: str) -> bool:
-        """Ask rank 0 for fresh state: goodbye and close; rank 0 reconnects and resends it."""
-        self.stats.resync_requests += 1
+        """Ask rank 0 for fresh state: goodbye on ``conn``, now retired; rank 0 reconnects and resends it.
+
+        The connection is not closed here: its reader discards what rank 0 sent meanwhile until
+        rank 0 closes its side (a close with unread bytes would reset the connection, and rank 0
+        could lose this goodbye and a 'diverged' report before it). Returns True (keep reading).
+        """
+        with self._lock:
+            self.stats.resync_requests += 1
+            if self._control_conn is conn:
+                self._control_conn = None
+            self._retiring.add(conn)
         logger.warning("shadow %s: asking rank 0 for fresh state: %s", self.name, why)
         try:
             with self._control_send:
                 send_message(conn, Goodbye(self._job_id(), f"resync: {why}"), timeout=1.0)
+            conn.shutdown(socket.SHUT_WR)
         except OSError:
             pass
-        return False
+        return True
 
     # ---- control messages ---------------------------------------------------------------
     def _on_job_start(self, message: JobStart, conn: socket.socket) -> bool:
@@ -720,6 +747,9 @@ class ShadowNode:
         else:
             raise ValueError("the job_start has no job description; start the shadow with --shard-keys")
         owners = sorted(set(spec.shard_to_shadow.values())) if spec is not None else [self.name]
+        every = message.extra.get("fingerprint_every", 0)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"fingerprint_every must be a non-negative integer, not {every!r}")
         return _Job(
             job_id=message.job_id,
             world_size=message.world_size,
@@ -730,6 +760,7 @@ class ShadowNode:
             shard_index=owners.index(self.name) if self.name in owners else 0,
             num_shards=len(owners),
             spec=spec,
+            fingerprint_every=every,
         )
 
     def _on_layout(self, message: LayoutMessage, conn: socket.socket) -> bool:
@@ -781,7 +812,7 @@ class ShadowNode:
             self._fulfil_captures_locked()
             self._lock.notify_all()
         if start.start_iteration >= 1:
-            self._certify(start.start_iteration - 1, again=True)
+            self._certify(start.start_iteration - 1, epoch, again=True)
         logger.info(
             "shadow %s: owns buckets %s (%d parameters) from iteration %d",
             self.name,
@@ -918,7 +949,7 @@ class ShadowNode:
             with self._lock:
                 epoch = self._epoch
                 pending = None
-                if epoch is not None:
+                if epoch is not None and self._diverged is None:  # diverged: halted until re-seeded
                     nxt = epoch.window.next_iteration
                     if nxt in self._commits:
                         waiting = epoch.window.pending.get(nxt)
@@ -953,7 +984,10 @@ class ShadowNode:
                     self._fulfil_captures_locked()
             elapsed = time.perf_counter() - started
             with self._lock:
-                if self._epoch is epoch:
+                # Re-seeded meanwhile (rank 0's fresh state replaced this epoch): nothing of this
+                # iteration is reported, certified or persisted.
+                current = self._epoch is epoch
+                if current:
                     epoch.window.advance()
                     self._commits.pop(pending.iteration, None)
                     if self._repairs is not None:
@@ -965,63 +999,79 @@ class ShadowNode:
                 self.stats.last_apply_seconds = elapsed
                 self.stats.applied_elements += sum(p.numel() for p in epoch.optimizer.parameters.values())
                 self.stats.last_commit_to_apply_seconds = time.monotonic() - entry.arrival
-                self._lock.notify_all()
-            if differs:
-                self._on_divergence(pending.iteration, differs)
-                continue  # neither certified nor persisted: rank 0 re-seeds this shadow
-            if differs is not None:
-                with self._lock:
+                report = None
+                if current and differs:
+                    report = self._diverge_locked(pending.iteration, differs)
+                elif current and differs is not None:
                     self.stats.fingerprints_checked += 1
-                    if self._diverged is None:
-                        self._last_verified = pending.iteration
-            self._certify(pending.iteration)
-            self._maybe_snapshot(epoch, pending.iteration)
+                    self._last_verified = pending.iteration
+                self._lock.notify_all()
+            if report is not None:
+                self._report_divergence(report)
+                continue  # neither certified nor persisted: rank 0 re-seeds this shadow
+            if current and self._certify(pending.iteration, epoch):
+                self._maybe_snapshot(epoch, pending.iteration)
 
-    def _on_divergence(self, iteration: int, differs: list[str]) -> None:
-        """The state after ``iteration`` differs from rank 0's: withdraw certification, report, re-seed."""
-        with self._lock:
-            self.stats.fingerprints_checked += 1
-            self.stats.divergences += 1
-            first = self._diverged is None
-            last = self._last_verified
-            report = {
-                "iteration": iteration,
-                "last_verified": last,
-                "mismatches": differs[:20],
-                "mismatched_tensors": len(differs),
-                "time": time.time(),
-            }
-            if first:
-                self._diverged = report
-            self._last_divergence = report
-            self._certified = min(self._certified, last)
-            conn = self._control_conn
-        if not first:
-            return  # already reported; waiting for rank 0's fresh state
+    def _diverge_locked(self, iteration: int, differs: list[str]) -> dict[str, Any]:
+        """The state after ``iteration`` differs from rank 0's: withdraw certification (lock held).
+
+        Applying stops until rank 0 re-seeds this shadow (the apply loop takes no iteration while
+        diverged), so one divergence is reported once, at the check that found it.
+        """
+        self.stats.fingerprints_checked += 1
+        self.stats.divergences += 1
+        report = {
+            "iteration": iteration,
+            "last_verified": self._last_verified,
+            "mismatches": differs[:20],
+            "mismatched_tensors": len(differs),
+            "time": time.time(),
+        }
+        self._diverged = report
+        self._last_divergence = report
+        self._certified = min(self._certified, self._last_verified)
+        return report
+
+    def _report_divergence(self, report: dict[str, Any]) -> None:
+        """Tell rank 0 (its log, ``agent.divergences``) and ask it for fresh state."""
+        iteration, last, differs = report["iteration"], report["last_verified"], report["mismatches"]
         logger.error(
             "shadow %s: DIVERGED: after iteration %d its state differs from rank 0's fingerprint in %d "
             "tensors (%s); certification after iteration %d withdrawn; asking rank 0 for fresh state",
             self.name,
             iteration,
-            len(differs),
+            report["mismatched_tensors"],
             ", ".join(differs[:5]),
             last,
         )
-        self._send_control(Diverged(self._job_id(), self.name, iteration, last, differs[:20]))
+        conn = self._control_conn
         if conn is not None:
+            self._send_control(Diverged(self._job_id(), self.name, iteration, last, differs))
             self._request_state(conn, f"state diverged from rank 0's after iteration {iteration}")
-            conn.close()
 
-    def _certify(self, iteration: int, again: bool = False) -> None:
-        """Certify ``iteration`` to rank 0 (once, unless ``again``: the state rank 0 re-seeded)."""
+    def _certify(self, iteration: int, epoch: _Epoch | None = None, again: bool = False) -> bool:
+        """Certify ``iteration`` to rank 0 if its state is known to match the workers'; True if it is.
+
+        Known to match: while rank 0 sends fingerprints (every K-th iteration and the last one
+        it waits for) only an iteration up to the last verified one (seeded by rank 0, or its
+        fingerprint matched); a certificate covers every earlier iteration, so the iterations
+        between two checks are certified by the later check. Without fingerprints (K = 0, GPU
+        parameters) on trust, when applied. Once (unless ``again``: the state rank 0 re-seeded);
+        never for a replaced ``epoch``.
+        """
         with self._lock:
-            if self._diverged is not None:
-                return  # nothing is certified until rank 0 re-seeds this shadow
+            if self._diverged is not None or (epoch is not None and self._epoch is not epoch):
+                return False  # nothing is certified until rank 0 re-seeds this shadow
+            job = self._job
+            if job is not None and job.fingerprint_every > 0 and iteration > self._last_verified:
+                return False  # certified when a check at or after it matches
             if iteration < self._certified or (iteration == self._certified and not again):
-                return
+                return iteration <= self._certified
             self._certified = iteration
         if self._send_control(Certified(self._job_id(), self.name, iteration)):
-            self.stats.certified_sent += 1
+            with self._lock:
+                self.stats.certified_sent += 1
+        return True
 
     # ---- snapshots ----------------------------------------------------------------------
     def _maybe_snapshot(self, epoch: _Epoch, iteration: int) -> None:
@@ -1074,6 +1124,7 @@ class ShadowNode:
                 "optimizer_step": self._optimizer_step,
                 "data_position": position,
                 "shards": self._shard_owners(job),
+                **(job.spec.tp_fields() if job.spec is not None else {}),  # which TP shard (a TP x DP lane)
             },
             job_state=job_state,
         )
@@ -1168,6 +1219,7 @@ class ShadowNode:
         self._job = job
         self._applied = step
         self._certified = step
+        self._last_verified = step  # a snapshot is written of a certified state only
         self._optimizer_step = int(start.extra.get("optimizer_step", 0))
         saved = start.extra.get("data_position")
         self._data_position = None if saved is None else self._checked_position(saved, step)
@@ -1284,15 +1336,14 @@ class ShadowNode:
                 conn = self._control_conn
                 if conn is not None:
                     self._request_state(conn, resync)
-                    conn.close()
             if now >= next_status:
                 next_status = now + 1.0
                 self._write_status()
 
     def _plan_repairs(self, now: float, sends: list[tuple[Addr, CheckmateHeader, bytes]]) -> str | None:
         epoch, job, repairs = self._epoch, self._job, self._repairs
-        if epoch is None or job is None or repairs is None or not job.workers:
-            return None
+        if epoch is None or job is None or repairs is None or not job.workers or self._diverged is not None:
+            return None  # diverged: nothing is applied until rank 0 re-seeds, so nothing to repair
         window = epoch.window
         nxt = window.next_iteration
         for iteration in range(nxt, min(epoch.confirmed_through, nxt + window.horizon - 1) + 1):

@@ -18,7 +18,9 @@ from checkmate.auth import DatagramAuth, secret_from_env
 from checkmate.control import (
     BucketLayout,
     BucketSpec,
+    Certified,
     Commit,
+    Diverged,
     Goodbye,
     JobStart,
     Message,
@@ -27,6 +29,7 @@ from checkmate.control import (
     recv_message,
     send_message,
 )
+from checkmate.fingerprint import fingerprint
 from checkmate.tensors import tensor_payload
 from checkmate.wire import CheckmateHeader, DType, Flags, MessageType
 from shadow import cli
@@ -275,6 +278,56 @@ def test_a_commit_that_never_comes_is_never_certified_and_says_why(node: ShadowN
     )
     assert status.get("state") == "stalled" and status["certified_iteration"] == -1
     assert node.applied_iteration == -1
+    rank0.close()
+
+
+def test_with_fingerprints_every_k_only_verified_iterations_are_certified_and_a_divergence_halts(
+    node: ShadowNode,
+) -> None:
+    start = job_start([("127.0.0.60", 9), ("127.0.0.61", 9)])
+    start.extra["fingerprint_every"] = 2
+    rank0 = Rank0(node)
+    rank0.send(start)
+    rank0.send(BucketLayout(JOB, 0, LAYOUT))
+    assert wait_for(lambda: node.status()["state"] == "running", timeout=60), node.status()
+    # rank 0's state after each iteration; its gradient is halved at iteration 2 behind the shadow's back
+    w, b = INITIAL["w"].clone().requires_grad_(), INITIAL["b"].clone().requires_grad_()
+    optimizer = torch.optim.SGD([w, b], lr=0.1, momentum=0.9, foreach=False)
+    prints = []
+    for iteration in range(5):
+        scale = 0.5 if iteration == 2 else 1.0
+        w.grad, b.grad = GRAD[:8].reshape(2, 4) * scale, GRAD[8:] * scale
+        optimizer.step()
+        prints.append(fingerprint([("w", w), ("b", b)], optimizer.state))
+    sender = worker_socket()
+
+    def iteration(i: int) -> None:
+        rank0.send(Commit(JOB, i, [0.1], optimizer_step=i + 1, fingerprint=prints[i] if i % 2 else None))
+        sender.sendto(datagram(i, 0, GRAD[:8]), node.data_address)
+        sender.sendto(datagram(i, 8, GRAD[8:]), node.data_address)
+
+    iteration(0)
+    assert node.wait_applied(0, 5), node.status()
+    time.sleep(0.2)
+    assert node.status()["certified_iteration"] == -1  # applied, but not yet known to match
+    iteration(1)
+    assert wait_for(lambda: node.status()["certified_iteration"] == 1), node.status()
+    iteration(2)
+    assert node.wait_applied(2, 5), node.status()
+    iteration(3)
+    assert wait_for(lambda: node.status()["state"] == "diverged"), node.status()
+    iteration(4)  # a diverged shadow applies nothing more until rank 0 re-seeds it
+    time.sleep(0.3)
+    status = node.status()
+    assert status["applied_iteration"] == 3 and status["divergences"] == 1, status
+    assert status["certified_iteration"] == 1 and status["divergence"]["last_verified"] == 1
+    # rank 0 heard one certificate (1: it covers 0), then the divergence, then goodbye, in that order,
+    # and the shadow closed its side only after them (no reset that could lose them)
+    assert wait_for(lambda: any(isinstance(m, Goodbye) for m in rank0.received)), rank0.received
+    kinds = [(type(m).__name__, getattr(m, "iteration", None)) for m in rank0.received]
+    assert kinds == [("Certified", 1), ("Diverged", 3), ("Goodbye", None)], kinds
+    assert [m.iteration for m in rank0.received if isinstance(m, Certified)] == [1]
+    assert [m.last_verified for m in rank0.received if isinstance(m, Diverged)] == [1]
     rank0.close()
 
 
