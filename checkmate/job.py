@@ -5,10 +5,17 @@ owns which shard key. Workers put a bucket's shard key in every tagged packet
 (``shard_key_for_bucket``); the controller turns the shard map into replication
 entries; shadows learn from it which buckets are theirs. The default map is the
 one the authors' prototype used: bucket b -> shard b mod K -> shadow K.
+
+A tensor-parallel job (TP x DP) is one Checkmate job per TP index, a *lane*: the
+DP group of TP index t all-reduces t's shard of the gradients, under its own job
+id, to its own shadows; ``tp_degree`` and ``tp_index`` say which TP shard a lane's
+copies (and its shadows' state and snapshots) carry, so the lanes' snapshots can
+be merged into one universal checkpoint (:mod:`checkmate.universal.shadow_merge`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +41,10 @@ class JobSpec:
     """Shard key -> shadow host. Empty means the default: shard k -> shadows[k]."""
     shadow_port: int = CHECKMATE_UDP_PORT
     """UDP port the shadows listen on for copies of this job."""
+    tp_degree: int = 1
+    """Tensor-parallel degree of the training job this lane belongs to (1: no tensor parallelism)."""
+    tp_index: int = 0
+    """The TP index whose DP group this job is: its gradients, and its shadows' state, are that TP shard."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", tuple(self.workers))
@@ -71,6 +82,14 @@ class JobSpec:
                 raise JobSpecError(f"shard {key} maps to {shadow!r}, which is not one of the shadows")
         if not 1 <= self.shadow_port <= 65535:
             raise JobSpecError(f"shadow_port {self.shadow_port} is not a UDP port")
+        for name in ("tp_degree", "tp_index"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise JobSpecError(f"{name} must be an integer, got {value!r}")
+        if self.tp_degree < 1:
+            raise JobSpecError(f"tp_degree {self.tp_degree} must be at least 1")
+        if not 0 <= self.tp_index < self.tp_degree:
+            raise JobSpecError(f"tp_index {self.tp_index} is outside 0..{self.tp_degree - 1}")
 
     @property
     def world_size(self) -> int:
@@ -100,29 +119,32 @@ class JobSpec:
         moved = dict(self.shard_to_shadow)
         moved[shard_key] = shadow
         shadows = self.shadows if shadow in self.shadows else (*self.shadows, shadow)
-        return JobSpec(self.job_id, self.workers, shadows, moved, self.shadow_port)
+        return dataclasses.replace(self, shadows=shadows, shard_to_shadow=moved)
 
     def with_workers(self, workers: tuple[str, ...] | list[str]) -> JobSpec:
         """A copy with another worker ring (a job restarted with more or fewer workers)."""
-        spec = JobSpec(
-            self.job_id, tuple(workers), self.shadows, dict(self.shard_to_shadow), self.shadow_port
-        )
-        spec.validate()
-        return spec
+        return dataclasses.replace(self, workers=tuple(workers), shard_to_shadow=dict(self.shard_to_shadow))
+
+    def tp_fields(self) -> dict[str, int]:
+        """``{"tp_degree", "tp_index"}`` for a lane of a tensor-parallel job, else empty (in snapshots)."""
+        return {"tp_degree": self.tp_degree, "tp_index": self.tp_index} if self.tp_degree > 1 else {}
 
     # ---- JSON -------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        return {
+        """The JSON form; ``tp_degree``/``tp_index`` only for a lane of a tensor-parallel job."""
+        out: dict[str, Any] = {
             "job_id": self.job_id,
             "workers": list(self.workers),
             "shadows": list(self.shadows),
             "shard_to_shadow": {str(k): v for k, v in sorted(self.shard_to_shadow.items())},
             "shadow_port": self.shadow_port,
         }
+        out.update(self.tp_fields())
+        return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> JobSpec:
-        known = {"job_id", "workers", "shadows", "shard_to_shadow", "shadow_port"}
+        known = {"job_id", "workers", "shadows", "shard_to_shadow", "shadow_port", "tp_degree", "tp_index"}
         if not isinstance(data, Mapping):
             raise JobSpecError(f"a job description is a JSON object, got {type(data).__name__}")
         unknown = sorted(set(data) - known)
@@ -150,6 +172,8 @@ class JobSpec:
             shadows=tuple(shadows),
             shard_to_shadow=shard_map,
             shadow_port=data.get("shadow_port", CHECKMATE_UDP_PORT),
+            tp_degree=data.get("tp_degree", 1),
+            tp_index=data.get("tp_index", 0),
         )
 
     @classmethod

@@ -149,6 +149,8 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
         """Rank 0: the last step's commit, sent at the next forward pass (when the job state is final)."""
         self.names: dict[int, str] = {id(p): n for n, p in module.named_parameters()}
         self._param_ids = set(self.names)
+        self._group: Any = getattr(ddp_model, "process_group", None) if dist.is_initialized() else None
+        """The DDP model's process group: every rank of this ring (with TP x DP: one TP index's DP group)."""
         workers = self._rendezvous(config)
         self.workers = workers
         self.transport = Transport(
@@ -206,7 +208,7 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
             else None
         )
         if dist.is_initialized():
-            dist.barrier()  # every rank's transport is up before the first gradient moves
+            dist.barrier(group=self._group)  # every rank's transport is up before the first gradient moves
         self.register(ddp_model)
         self._step_handle = optimizer.register_step_post_hook(self._after_step)
         self._structure = self._structure_now()
@@ -216,10 +218,11 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
         atexit.register(self._flush_at_exit)  # a script that never calls close() still sends its last commit
         ddp_gradients.install(self)
         logger.info(
-            "checkmate: job %d rank %d/%d on %s:%d, ring %s",
+            "checkmate: job %d rank %d/%d%s on %s:%d, ring %s",
             config.job_id,
             config.rank,
             config.world_size,
+            f" (TP index {config.tp_index} of {config.tp_degree})" if config.tp_degree > 1 else "",
             *config.bind,
             [f"{h}:{p}" for h, p in workers],
         )
@@ -228,8 +231,15 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
     def _rendezvous(self, config: CheckmateConfig) -> tuple[Addr, ...]:
         mine = (config.job_id, config.bind)
         if dist.is_initialized():
+            size, rank = dist.get_world_size(self._group), dist.get_rank(self._group)
+            if (size, rank) != (config.world_size, config.rank):
+                raise CheckmateConfigError(
+                    f"the DDP model's process group has {size} ranks, this one rank {rank}, but the "
+                    f"configuration says rank {config.rank} of {config.world_size}: with tensor parallelism "
+                    "set CHECKMATE_TP_DEGREE and give DDP the DP group (process_group=mesh['dp'].get_group())"
+                )
             gathered: list[Any] = [None] * config.world_size
-            dist.all_gather_object(gathered, mine)
+            dist.all_gather_object(gathered, mine, group=self._group)
         elif config.workers is not None:
             gathered = [(config.job_id, w) for w in config.workers]
         else:
@@ -283,7 +293,7 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
         if not self.transport.wait_idle(timeout):
             logger.warning("checkmate: unacknowledged datagrams left at close: %s", self.transport.stats())
         if dist.is_initialized():
-            dist.barrier()
+            dist.barrier(group=self._group)
         self.ring.close()
         self.transport.close()
 

@@ -232,12 +232,15 @@ class ShadowMessages:
         if not self.config.shadow_control:
             return None
         names = list(self.config.shadow_control)
-        return {
+        description: dict[str, Any] = {
             "job_id": self.config.job_id,
             "workers": [f"{h}:{p}" for h, p in self.workers],
             "shadows": names,
             "shard_to_shadow": {str(k): name for k, name in enumerate(names)},
         }
+        if self.config.tp_degree > 1:  # which TP shard this lane's copies carry
+            description.update(tp_degree=self.config.tp_degree, tp_index=self.config.tp_index)
+        return description
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.optimizer_steps += 1

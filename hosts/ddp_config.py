@@ -38,7 +38,9 @@ class CheckmateConfig:
 
     job_id: int
     rank: int
+    """This rank's place in its ring: the DDP process group's rank (with TP: the DP index)."""
     world_size: int
+    """Ranks in the ring: the DDP process group's size (with TP: the DP degree)."""
     bind: Addr
     """This rank's data address (UDP)."""
     workers: tuple[Addr, ...] | None = None
@@ -78,12 +80,30 @@ class CheckmateConfig:
     metrics_port: int | None = None
     """Rank 0 serves Prometheus metrics on this TCP port (``CHECKMATE_METRICS_PORT``;
     hosts/metrics.py, docs/metrics.md). A port in use is logged; training goes on without."""
+    tp_degree: int = 1
+    """Tensor-parallel degree (``CHECKMATE_TP_DEGREE``). With TP x DP each TP index's DP group is
+    its own Checkmate lane: job ``job_id`` (``CHECKMATE_JOB_ID`` + TP index), its own ring, rank 0
+    and shadows, carrying that TP shard of the gradients (docs/checkpoint-format.md)."""
+    tp_index: int = 0
+    """This rank's TP index: its lane (``RANK % tp_degree``, the ``("dp", "tp")`` mesh order)."""
 
     def __post_init__(self) -> None:
         if self.compress not in COMPRESSION:
             raise CheckmateConfigError(f"compress={self.compress!r}: expected 'bf16', 'fp16' or None")
         if self.fingerprint_every is not None and self.fingerprint_every < 0:
             raise CheckmateConfigError(f"fingerprint_every ({self.fingerprint_every}) must not be negative")
+        if self.tp_degree < 1 or not 0 <= self.tp_index < self.tp_degree:
+            raise CheckmateConfigError(
+                f"tp_index {self.tp_index} / tp_degree {self.tp_degree}: need 0 <= tp_index < tp_degree"
+            )
+        if self.job is not None and (self.job.tp_degree, self.job.tp_index) != (
+            self.tp_degree,
+            self.tp_index,
+        ):
+            raise CheckmateConfigError(
+                f"job {self.job.job_id} is TP index {self.job.tp_index} of {self.job.tp_degree}, "
+                f"but this rank is TP index {self.tp_index} of {self.tp_degree} (CHECKMATE_TP_DEGREE, RANK)"
+            )
         if self.start_iteration < 0 or self.optimizer_step < 0:
             raise CheckmateConfigError(
                 f"start_iteration ({self.start_iteration}) and optimizer_step ({self.optimizer_step}) "
@@ -121,6 +141,11 @@ class CheckmateConfig:
         ``CHECKMATE_PEER_TIMEOUT``, ``CHECKMATE_START_ITERATION`` and
         ``CHECKMATE_OPTIMIZER_STEP`` (a resumed job; see :func:`enable_checkmate`),
         and for tests ``CHECKMATE_LOSS`` (a send drop fraction) with ``CHECKMATE_FAULT_SEED``.
+
+        Tensor parallelism: ``CHECKMATE_TP_DEGREE`` = T > 1 makes each TP index t (``RANK % T``,
+        the ``("dp", "tp")`` device mesh's order) its own lane: ring rank ``RANK // T`` of
+        ``WORLD_SIZE // T``, job id ``CHECKMATE_JOB_ID + t``, shadows ``CHECKMATE_SHADOWS_TP<t>``
+        (else ``CHECKMATE_SHADOWS``), and ``{tp_index}`` in ``CHECKMATE_JOB_FILE`` becomes t.
         """
         env = os.environ if environ is None else environ
         try:
@@ -128,19 +153,27 @@ class CheckmateConfig:
             world = int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else dist.get_world_size()
         except (ValueError, RuntimeError) as exc:
             raise CheckmateConfigError(f"cannot tell this process's rank: {exc}") from None
+        global_rank = rank
+        tp = _int_env(env, "CHECKMATE_TP_DEGREE", 1)
+        if tp < 1 or world % tp:
+            raise CheckmateConfigError(f"CHECKMATE_TP_DEGREE={tp} does not divide WORLD_SIZE {world}")
+        tp_index, rank, world = rank % tp, rank // tp, world // tp
         job: JobSpec | None = None
         workers: tuple[Addr, ...] | None = None
         shadows: dict[str, Addr] = {}
-        job_id = int(env.get("CHECKMATE_JOB_ID", "1"))
+        job_id = _int_env(env, "CHECKMATE_JOB_ID", 1) + tp_index
         job_file = env.get("CHECKMATE_JOB_FILE")
         if job_file is not None:
+            job_file = job_file.replace("{tp_index}", str(tp_index))
             job, workers, shadows = read_job_file(job_file)
             job_id = job.job_id
             if len(workers) != world:
                 raise CheckmateConfigError(
                     f"{job_file} lists {len(workers)} workers but WORLD_SIZE is {world}"
+                    + (f" / CHECKMATE_TP_DEGREE {tp}" if tp > 1 else "")
                 )
-        for i, item in enumerate(filter(None, env.get("CHECKMATE_SHADOWS", "").split(","))):
+        listed = env.get(f"CHECKMATE_SHADOWS_TP{tp_index}") if tp > 1 else None
+        for i, item in enumerate(filter(None, (listed or env.get("CHECKMATE_SHADOWS", "")).split(","))):
             name, _, address = item.rpartition("=")
             shadows[name or f"shadow{i}"] = resolve(address, DEFAULT_CONTROL_PORT)
         if "CHECKMATE_BIND" in env:
@@ -158,9 +191,9 @@ class CheckmateConfig:
                     "set CHECKMATE_BIND (this rank's data address) or CHECKMATE_JOB_FILE: "
                     f"MASTER_ADDR {master} is not a loopback address, so 127.0.0.(10+rank) will not do"
                 )
-            bind = (f"127.0.0.{10 + rank}", CHECKMATE_UDP_PORT)
+            bind = (f"127.0.0.{10 + global_rank}", CHECKMATE_UDP_PORT)
         faults = FaultConfig(
-            seed=int(env.get("CHECKMATE_FAULT_SEED", "0")) * 1000 + rank,
+            seed=int(env.get("CHECKMATE_FAULT_SEED", "0")) * 1000 + global_rank,
             send_drop=float(env.get("CHECKMATE_LOSS", "0")),
         )
         return cls(
@@ -185,6 +218,8 @@ class CheckmateConfig:
             ),
             compress=env.get("CHECKMATE_COMPRESS") or None,
             metrics_port=_metrics_port_env(env),
+            tp_degree=tp,
+            tp_index=tp_index,
         )
 
 
