@@ -130,3 +130,170 @@ def read_program(arch: str) -> P4Program:
     ):
         program.counters[name] = (unit.lower(), program.constants.get(size_token) or int(size_token))
     return program
+
+
+# ---- control flow of an apply block -------------------------------------------------------------------
+DROP_PRIMITIVES = ("mark_to_drop(", "drop_ctl =")
+"""What drops a packet: v1model's primitive, and TNA's deparser drop control."""
+CHOOSE_GROUP = re.compile(r"\bmcast_grp(_a|_b)?\s*=")
+"""What chooses a multicast group: v1model's ``standard_metadata.mcast_grp``, TNA's ``mcast_grp_a/b``."""
+
+
+@dataclass
+class Statement:
+    """One statement of an apply block: plain (``text``) or an if with its two branches."""
+
+    text: str
+    then: list[Statement] = field(default_factory=list)
+    otherwise: list[Statement] = field(default_factory=list)
+
+    @property
+    def is_if(self) -> bool:
+        return self.text.startswith("if")
+
+
+def _parenthesised(text: str, start: int) -> int:
+    """The index just past the parenthesis that closes the one at ``start``."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i + 1
+    raise ValueError("unbalanced parentheses")
+
+
+def parse_statements(text: str) -> list[Statement]:
+    """The statements of a block's body: ``if (...) S [else S]``, ``{ ... }`` and ``...;``."""
+    statements: list[Statement] = []
+    i = 0
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i >= len(text):
+            return statements
+        statement, i = _statement(text, i)
+        statements.extend(statement)
+
+
+def _statement(text: str, i: int) -> tuple[list[Statement], int]:
+    if text.startswith("{", i):
+        body = _block(text, i)
+        return parse_statements(body), i + len(body) + 2
+    if re.match(r"if\s*\(", text[i:]):
+        open_at = text.index("(", i)
+        close = _parenthesised(text, open_at)
+        cond = "if " + " ".join(text[open_at:close].split())
+        then, i = _statement(text, _skip_space(text, close))
+        otherwise: list[Statement] = []
+        j = _skip_space(text, i)
+        if re.match(r"else\b", text[j:]):
+            otherwise, i = _statement(text, _skip_space(text, j + 4))
+        return [Statement(cond, then, otherwise)], i
+    end = text.index(";", i)
+    return [Statement(" ".join(text[i:end].split()) + ";")], end + 1
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+@dataclass
+class ControlFlow:
+    """A control's actions, tables and apply block, read from the P4 source."""
+
+    actions: dict[str, str]
+    """action name -> body"""
+    tables: dict[str, list[str]]
+    """table name -> its actions (the default action among them)"""
+    apply: list[Statement]
+
+    def action_does(
+        self, name: str, pattern: re.Pattern[str] | tuple[str, ...], seen: frozenset[str] = frozenset()
+    ) -> bool:
+        """Whether action ``name`` (or an action it calls) contains ``pattern``."""
+        if name in seen or name not in self.actions:
+            return False
+        return self.text_does(self.actions[name], pattern, seen | {name})
+
+    def text_does(
+        self, text: str, pattern: re.Pattern[str] | tuple[str, ...], seen: frozenset[str] = frozenset()
+    ) -> bool:
+        """Whether a statement's text, or an action or table it calls, contains ``pattern``."""
+        found = (
+            bool(pattern.search(text)) if isinstance(pattern, re.Pattern) else any(p in text for p in pattern)
+        )
+        if found:
+            return True
+        for table in re.findall(r"\b(\w+)\.apply\s*\(", text):
+            if any(self.action_does(a, pattern, seen) for a in self.tables.get(table, [])):
+                return True
+        return any(self.action_does(a, pattern, seen) for a in re.findall(r"\b(\w+)\s*\(", text))
+
+    def drops_after_choosing_a_group(self) -> tuple[list[str], list[str]]:
+        """(the statements that may choose a group, those that may drop on a path where one was chosen).
+
+        Walks every path through the apply block (both branches of every if); a table's
+        apply may run any of its actions, so a statement that applies a table whose
+        actions choose a group both chooses one and, if one of those actions drops too,
+        drops after choosing.
+        """
+        choosing: list[str] = []
+        violations: list[str] = []
+
+        def visit(text: str, chosen: bool) -> bool:
+            chooses = self.text_does(text, CHOOSE_GROUP)
+            drops = self.text_does(text, DROP_PRIMITIVES)
+            if chooses:
+                choosing.append(text)
+                tables = re.findall(r"\b(\w+)\.apply\s*\(", text)
+                acts = [a for t in tables for a in self.tables.get(t, [])]
+                both = [
+                    a
+                    for a in acts
+                    if self.action_does(a, CHOOSE_GROUP) and self.action_does(a, DROP_PRIMITIVES)
+                ]
+                if both or (not tables and drops):
+                    violations.append(text)
+            elif chosen and drops:
+                violations.append(text)
+            return chosen or chooses
+
+        def walk(statements: list[Statement], chosen: bool) -> bool:
+            for s in statements:
+                chosen = visit(s.text, chosen)  # an if's condition may apply a table too
+                if s.is_if:
+                    chosen = walk(s.then, chosen) | walk(s.otherwise, chosen)
+            return chosen
+
+        walk(self.apply, False)
+        return choosing, violations
+
+
+def read_control(arch: str, control: str) -> ControlFlow:
+    """The actions, tables and apply block of ``control`` in p4src/<arch>/ (comments stripped)."""
+    files = sorted((P4SRC / arch).rglob("*.p4"))
+    return parse_control("\n".join(f.read_text() for f in files), control)
+
+
+def parse_control(source: str, control: str) -> ControlFlow:
+    """The actions, tables and apply block of ``control`` in P4 ``source``."""
+    text = _strip_comments(source)
+    match = re.search(rf"\bcontrol\s+{control}\s*\(", text)
+    if match is None:
+        raise ValueError(f"no control {control} in the source")
+    body = _block(text, _parenthesised(text, text.index("(", match.start())))
+    actions = {
+        name: _block(body, m.end() - 1)
+        for m in re.finditer(r"\baction\s+(\w+)\s*\([^)]*\)\s*\{", body)
+        for name in [m.group(1)]
+    }
+    tables = {}
+    for m in re.finditer(r"\btable\s+(\w+)\s*\{", body):
+        table_body = _block(body, m.start())
+        tables[m.group(1)] = re.findall(r"(\w+)\s*;", _block(table_body, table_body.index("actions")))
+    applies = [m for m in re.finditer(r"(?<![.\w])apply\s*\{", body)]
+    if len(applies) != 1:
+        raise ValueError(f"control {control}: expected one apply block, found {len(applies)}")
+    return ControlFlow(actions, tables, parse_statements(_block(body, applies[0].start())))

@@ -12,7 +12,7 @@ from p4.config.v1 import p4info_pb2
 from checkmate import wire
 from checkmate.p4.p4info import load_p4info
 from checkmate.p4.program import P4INFO_PATH
-from tests.p4_source import P4SRC, read_program
+from tests.p4_source import P4SRC, parse_control, read_control, read_program
 
 UNITS = {
     p4info_pb2.CounterSpec.PACKETS: "packets",
@@ -111,11 +111,52 @@ def test_p4_constants_and_header_match_the_python_wire_format() -> None:
     assert sum(w for _, w in fields) == 8 * wire.HEADER_BYTES
 
 
-def test_sources_never_drop_after_choosing_a_multicast_group() -> None:
-    text = (P4SRC / "v1model" / "include" / "ingress.p4").read_text()
-    body = text[text.index("action set_multicast_group") :]
-    body = body[: body.index("}")]
-    assert "mark_to_drop" not in body
+@pytest.mark.parametrize("arch", ["v1model", "tna"])
+def test_sources_never_drop_after_choosing_a_multicast_group(arch: str) -> None:
+    """On every path through the ingress apply block, nothing drops once a group may have been chosen.
+
+    (v1model's mark_to_drop would clear mcast_grp; on Tofino a drop_ctl would drop every replica.)
+    """
+    choosing, violations = read_control(arch, "CheckmateIngress").drops_after_choosing_a_group()
+    assert choosing == ["replicate_to_shadow.apply();"]
+    assert violations == []
+
+
+_GROUP_THEN_DROP = """
+control CheckmateIngress(inout headers_t hdr, inout standard_metadata_t standard_metadata) {
+    action drop(bit<8> reason) { mark_to_drop(standard_metadata); }
+    action set_multicast_group(bit<16> group) { standard_metadata.mcast_grp = group; }
+    action reject_replication() { }
+    table replicate_to_shadow {
+        key = { hdr.checkmate.job_id : exact @name("job_id"); }
+        actions = { set_multicast_group; reject_replication; }
+        default_action = reject_replication();
+        size = 4;
+    }
+    apply {
+        if (hdr.ipv4.isValid()) {
+            replicate_to_shadow.apply();
+        } else {
+            drop(1);
+        }
+        %s
+    }
+}
+"""
+
+
+@pytest.mark.parametrize(
+    "after, caught",
+    [
+        ("if (hdr.ipv4.ttl <= 1) { drop(2); }", ["drop(2);"]),
+        ("if (hdr.ipv4.ttl <= 1) { mark_to_drop(standard_metadata); }", ["mark_to_drop(standard_metadata);"]),
+        ("if (hdr.ipv4.ttl <= 1) { } else { ig_dprsr_md.drop_ctl = 1; }", ["ig_dprsr_md.drop_ctl = 1;"]),
+        ("hdr.ipv4.ttl = 3;", []),
+    ],
+)
+def test_the_drop_after_group_check_catches_a_drop_on_any_later_path(after: str, caught: list[str]) -> None:
+    _, violations = parse_control(_GROUP_THEN_DROP % after, "CheckmateIngress").drops_after_choosing_a_group()
+    assert violations == caught
 
 
 @pytest.mark.p4c
