@@ -436,7 +436,7 @@ def test_malformed_checkpoint_files(tmp_path: Path, reliability: Recorder) -> No
         load_into(CheckpointReader(root), other)
     wrong_shape = _model()
     wrong_shape.head.weight = torch.nn.Parameter(torch.zeros(8, 3))  # type: ignore[union-attr]
-    with pytest.raises(CheckpointError, match="checkpoint shape"):
+    with pytest.raises(CheckpointError, match=r"head.weight: state shape \(3, 8\), model \(8, 3\)"):
         load_into(CheckpointReader(root), wrong_shape)
     # a garbage latest pointer and a missing root are clear errors too
     (root / "latest").write_bytes(b"\xff\xfe garbage")
