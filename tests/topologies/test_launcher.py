@@ -6,12 +6,13 @@ runs ``CMD`` here; the workers are :mod:`tests.topologies.fake_worker`.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from topologies.launcher import KillPlan, LaunchConfig, Launcher, LaunchError
+from experiments.launcher import KillPlan, LaunchConfig, Launcher, LaunchError
 
 FAKE_EXEC = (
     sys.executable,
@@ -19,6 +20,20 @@ FAKE_EXEC = (
     "import os, sys; a = sys.argv[1:]; c = a[a.index('--') + 1:]; os.execvp(c[0], c)",
 )
 WORKER = Path(__file__).with_name("fake_worker.py")
+
+
+def _logged_iterations(log_dir: Path, ranks: int) -> list[set[int]]:
+    """Per incarnation (a ``start`` event opens one), the iterations any rank logged as finished."""
+    runs: dict[int, set[int]] = {}
+    for rank in range(ranks):
+        incarnation = -1
+        for line in (log_dir / f"rank{rank}.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if record.get("event") == "start":
+                incarnation += 1
+            elif "iteration" in record:
+                runs.setdefault(incarnation, set()).add(int(record["iteration"]))
+    return [runs.get(i, set()) for i in range(max(runs, default=-1) + 1)]
 
 
 def _config(tmp_path: Path, mode: str = "ok", iterations: int = 12, **overrides: object) -> LaunchConfig:
@@ -56,8 +71,12 @@ def test_a_killed_worker_restarts_all_from_the_certified_iteration(tmp_path: Pat
     assert first.exit_codes[1] == -9 and first.failed_rank == 1 and "SIGKILL" in (first.failure or "")
     assert second.start_iteration == second.restored_from + 1  # type: ignore[operator]
     assert second.start_iteration is not None and 1 <= second.start_iteration <= first.completed_through + 1
-    # Lost work: what was finished before the failure and is done again.
-    assert result.lost_iterations() == [first.completed_through - second.start_iteration + 1]
+    # Lost work: the iterations the workers' logs show finished before the failure and done again.
+    runs = _logged_iterations(tmp_path, ranks=3)
+    assert len(runs) == 2
+    redone = sorted(runs[0] & runs[1])
+    assert redone and redone == list(range(second.start_iteration, max(runs[0]) + 1))
+    assert result.lost_iterations() == [len(redone)]
     assert sorted(result.done) == [0, 1, 2]
     assert events == ["start", "kill", "failure", "restart", "start", "done"]
 
