@@ -288,7 +288,7 @@ class RingAllReduce:
             deadline=time.monotonic() + self.config.timeout,
         )
         completed: list[_Op] = []
-        with self._lock:
+        with self.transport.batch(), self._lock:  # the first sends leave in GSO runs once the lock is free
             if self._failed is not None:
                 record.future.set_exception(self._failed)  # type: ignore[arg-type]
                 return record.future

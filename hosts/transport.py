@@ -12,7 +12,9 @@ ACK/NACK payloads.
   :meth:`Transport.send` never blocks, so a receive thread can forward data
   without deadlocking on its own ACKs.
 * **Retransmission.** On timeout (RTO from smoothed RTT, Karn's rule,
-  exponential backoff), on SACK evidence (a datagram ``dupthresh`` below the
+  exponential backoff; counted from the flow's last acknowledged progress, as TCP
+  restarts its timer on every new ACK, so a slow but draining receiver is not
+  flooded with duplicates), on SACK evidence (a datagram ``dupthresh`` below the
   highest SACKed one) and on NACK. A retransmission keeps every flag of the
   original (REPLICATE included) and adds RETRANSMIT.
 * **Duplicates and reordering.** The receiver keeps the cumulative sequence
@@ -21,6 +23,13 @@ ACK/NACK payloads.
   header says where their elements go.
 * **Zero copy.** The header's 32 bytes and a memoryview of tensor memory go to
   ``sendmsg`` together; retransmissions reuse the same view.
+* **Fewer system calls.** Inside :meth:`Transport.batch` (the receive thread's bursts, a
+  ring's first sends) DATA datagrams to one address are collected and sent as one UDP GSO
+  write (``UDP_SEGMENT``: the kernel cuts it into the same datagrams, each with its own
+  Checkmate header, so the wire is unchanged); the socket reads with ``UDP_GRO``, so a
+  coalesced run arrives in one read and is split by the segment size the kernel reports.
+  A route that cannot segment (a veth with checksum offload off, as in the emulated
+  network) refuses the first GSO write; the transport then sends datagram by datagram.
 * **Bad input.** Corrupt headers, unknown jobs, ranks whose address does not
   match, acknowledgements of unsent data: dropped and counted per reason
   (``stats()["drop.<reason>"]``), never delivered.
@@ -43,18 +52,19 @@ they keep: the payload view is reused for the next datagram.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
-import os
 import select
 import socket
 import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from checkmate.auth import DatagramAuth, datagram_job, needs_tag, secret_from_env
+from checkmate.sockets import grow_buffer
 from checkmate.wire import (
     CHECKMATE_UDP_PORT,
     HEADER_BYTES,
@@ -82,6 +92,18 @@ MAX_SEQUENCE = (1 << 32) - 1
 MAX_RANGES = 128
 """Most SACK/NACK ranges one ACK or NACK carries (1 KiB of payload)."""
 _RANGE = struct.Struct("!II")
+_SOL_UDP = socket.IPPROTO_UDP
+_UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)
+"""Linux: the segment size of a GSO send (a control message on ``sendmsg``)."""
+_UDP_GRO = getattr(socket, "UDP_GRO", 104)
+"""Linux: a socket option (receive coalesced runs) and the control message saying their segment size."""
+_MAX_UDP_PAYLOAD = 65507
+"""Largest UDP payload of one IPv4 packet: what one GSO write may carry in all."""
+_GSO_MAX_SEGMENTS = 64
+_BATCH_FLUSH = 64
+"""A batch is written out once this many datagrams wait in it."""
+_GRO_SEGMENT = struct.Struct("=i")
+_GRO_CMSG_SPACE = socket.CMSG_SPACE(_GRO_SEGMENT.size)
 _DATAGRAM_TRUESIZE = 32768
 """Kernel memory to budget per jumbo datagram in a receive buffer (for the advertised window;
 measured: 512 x 9 KB datagrams overflow an 8 MiB buffer on loopback, 256 do not)."""
@@ -112,8 +134,9 @@ class TransportConfig:
     rcvbuf_bytes: int = 64 << 20
     sndbuf_bytes: int = 16 << 20
     initial_rto: float = 0.1
-    min_rto: float = 0.05
-    """Python receivers queue datagrams for milliseconds; losses are mostly repaired by SACK/NACK first."""
+    min_rto: float = 0.2
+    """Python receivers queue datagrams for milliseconds, and a loaded machine deschedules them for
+    tens; losses are mostly repaired by SACK/NACK first, the RTO is for a silent peer or a lost tail."""
     max_rto: float = 0.5
     peer_timeout: float = 10.0
     """Seconds without any acknowledgement from a peer with data outstanding before it is declared dead."""
@@ -130,6 +153,8 @@ class TransportConfig:
     """Datagrams further than this beyond the cumulative sequence are dropped (bounded memory)."""
     send_block_timeout: float = 0.5
     """Longest wait for socket buffer space before a datagram is counted as dropped."""
+    gso: bool = True
+    """Send batched runs of equal-sized DATA datagrams as one UDP GSO write where the route allows it."""
     faults: FaultConfig = field(default_factory=FaultConfig)
 
 
@@ -231,10 +256,16 @@ class Transport:
     def __init__(self, config: TransportConfig) -> None:
         self.config = config
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._set_buffer(socket.SO_RCVBUF, "SO_RCVBUFFORCE", config.rcvbuf_bytes)
-        self._set_buffer(socket.SO_SNDBUF, "SO_SNDBUFFORCE", config.sndbuf_bytes)
+        grow_buffer(self._sock, socket.SO_RCVBUF, config.rcvbuf_bytes)
+        grow_buffer(self._sock, socket.SO_SNDBUF, config.sndbuf_bytes)
         self._sock.bind(resolve(config.bind))
         self._sock.setblocking(False)
+        self._gro = False
+        with contextlib.suppress(OSError):
+            self._sock.setsockopt(_SOL_UDP, _UDP_GRO, 1)
+            self._gro = True
+        self._gso = config.gso
+        self._batches = threading.local()
         self.address: Addr = self._sock.getsockname()
         rcvbuf = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
         self.advertised_window = max(8, min(config.window, rcvbuf // _DATAGRAM_TRUESIZE))
@@ -264,14 +295,6 @@ class Transport:
         self._timer.start()
 
     # ---- set-up ---------------------------------------------------------------------
-    def _set_buffer(self, option: int, force_name: str, size: int) -> None:
-        force = getattr(socket, force_name, None)
-        if force is not None and os.geteuid() == 0:
-            with contextlib.suppress(OSError):
-                self._sock.setsockopt(socket.SOL_SOCKET, force, size)
-                return
-        self._sock.setsockopt(socket.SOL_SOCKET, option, size)
-
     def add_job(
         self,
         job_id: int,
@@ -361,6 +384,27 @@ class Transport:
         return False
 
     # ---- sending --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Collect this thread's DATA datagrams and write them at the end (GSO runs where possible).
+
+        Nests; only the outermost exit writes. Call it outside any lock that the receive
+        thread takes, so that the writes do not hold it up.
+        """
+        local = self._batches
+        depth = getattr(local, "depth", 0)
+        if depth == 0:
+            local.items = []
+        local.depth = depth + 1
+        try:
+            yield
+        finally:
+            local.depth = depth
+            if depth == 0:
+                items, local.items = local.items, None
+                if items:
+                    self._write_batch(items)
+
     def send(self, peer: Addr, header: CheckmateHeader, payload: Buffer = b"") -> None:
         """Queue one DATA datagram reliably to ``peer`` (never blocks).
 
@@ -467,55 +511,150 @@ class Transport:
             self._sendmsg(held[0], held[1])
 
     def _sendmsg(self, parts: Sequence[Buffer], addr: Addr) -> None:
+        items = getattr(self._batches, "items", None)
+        if items is not None and parts[0][1] == _DATA_TYPE:
+            items.append((parts, addr))
+            if len(items) >= _BATCH_FLUSH:
+                self._batches.items = []
+                self._write_batch(items)
+            return
+        self._write(parts, addr)
+
+    def _write_batch(self, items: list[tuple[Sequence[Buffer], Addr]]) -> None:
+        """Write collected datagrams: per address in order, runs of one size as one GSO write."""
+        if not self._gso:
+            for parts, addr in items:
+                self._write(parts, addr)
+            return
+        runs: dict[Addr, tuple[int, list[Buffer], int, bool]] = {}  # addr -> (segment, parts, count, closed)
+        for parts, addr in items:
+            size = len(parts[0]) + len(parts[1]) if len(parts) == 2 else sum(len(p) for p in parts)
+            run = runs.get(addr)
+            if run is not None:
+                segment, flat, count, closed = run
+                if (
+                    not closed
+                    and size <= segment
+                    and (count + 1) * segment <= _MAX_UDP_PAYLOAD
+                    and (count < _GSO_MAX_SEGMENTS)
+                ):
+                    flat.extend(parts)
+                    runs[addr] = (segment, flat, count + 1, size < segment)
+                    continue
+                self._write_run(segment, flat, count, addr)
+            runs[addr] = (size, list(parts), 1, False)
+        for addr, (segment, flat, count, _) in runs.items():
+            self._write_run(segment, flat, count, addr)
+
+    def _write_run(self, segment: int, parts: list[Buffer], count: int, addr: Addr) -> None:
+        if count == 1 or not self._gso:
+            if count == 1:
+                self._write(parts, addr)
+                return
+        else:
+            control = [(_SOL_UDP, _UDP_SEGMENT, struct.pack("=H", segment))]
+            if self._write(parts, addr, control, gso=True):
+                self._counters["gso_writes"] = self._counters.get("gso_writes", 0) + 1
+                return
+            if self._gso:  # not a refusal of GSO itself: the run is lost like one datagram would be
+                return
+        # resend the run datagram by datagram: each datagram is 2 parts (header, payload) or
+        # the sealed 3 (header, payload, tag) -- only DATA is batched, which is always 2
+        for i in range(0, len(parts), 2):
+            self._write(parts[i : i + 2], addr)
+
+    def _write(
+        self,
+        parts: Sequence[Buffer],
+        addr: Addr,
+        control: Sequence[tuple[int, int, bytes]] = (),
+        gso: bool = False,
+    ) -> bool:
+        """One ``sendmsg``, waiting a while for buffer space; True if the kernel took it."""
         deadline: float | None = None
         while True:
             try:
-                self._sock.sendmsg(parts, (), 0, addr)
-                return
+                self._sock.sendmsg(parts, control, 0, addr)
+                return True
             except BlockingIOError:
                 now = time.monotonic()
                 if deadline is None:
                     deadline = now + self.config.send_block_timeout
                 elif now >= deadline:
                     self.count("send_blocked")
-                    return
+                    return False
                 select.select([], [self._sock], [], deadline - now)
             except OSError as exc:
                 if self._stop.is_set():
-                    return
+                    return False
+                if gso and exc.errno in (
+                    errno.EIO,
+                    errno.EINVAL,
+                    errno.EOPNOTSUPP,
+                    errno.ENOPROTOOPT,
+                    errno.EMSGSIZE,
+                ):
+                    # the route cannot segment (its device has no checksum offload): one by one from now on
+                    self._gso = False
+                    logger.info(
+                        "%s: UDP GSO refused towards %s (%s); sending datagram by datagram",
+                        self.address,
+                        addr,
+                        exc,
+                    )
+                    self.count("gso_refused")
+                    return False
                 self.count("send_error")
                 logger.debug("sendmsg to %s failed: %s", addr, exc)
-                return
+                return False
 
     # ---- receiving ------------------------------------------------------------------
     def _receive_loop(self) -> None:
-        buf = bytearray(HEADER_BYTES + MAX_PAYLOAD_BYTES + 1024)
+        buf = bytearray(65536 if self._gro else HEADER_BYTES + MAX_PAYLOAD_BYTES + 1024)
         view = memoryview(buf)
         poller = select.poll()
         poller.register(self._sock, select.POLLIN)
+        sock = self._sock
         while not self._stop.is_set():
             try:
                 if not poller.poll(50):
                     continue
             except OSError:
                 return
-            for _ in range(256):
-                try:
-                    n, addr = self._sock.recvfrom_into(buf)
-                except BlockingIOError:
-                    break
-                except OSError as exc:
-                    if self._stop.is_set():
-                        return
-                    self.count("recv_error")
-                    logger.debug("recvfrom failed: %s", exc)
-                    break
-                try:
-                    self._handle(view[:n], addr)
-                except Exception:  # noqa: BLE001 - a handler bug must not kill the receive thread
-                    self.count("handler_error")
-                    logger.exception("error handling a datagram from %s", addr)
+            with self.batch():  # forwards and first sends go out in GSO runs at the end of the burst
+                for _ in range(256):
+                    segment = 0
+                    try:
+                        if self._gro:
+                            n, control, _flags, addr = sock.recvmsg_into([buf], _GRO_CMSG_SPACE)
+                            for level, kind, data in control:
+                                if level == _SOL_UDP and kind == _UDP_GRO and len(data) >= 4:
+                                    segment = _GRO_SEGMENT.unpack_from(data)[0]
+                        else:
+                            n, addr = sock.recvfrom_into(buf)
+                    except BlockingIOError:
+                        break
+                    except OSError as exc:
+                        if self._stop.is_set():
+                            return
+                        self.count("recv_error")
+                        logger.debug("recvfrom failed: %s", exc)
+                        break
+                    if (
+                        0 < segment < n
+                    ):  # a coalesced run of datagrams of `segment` bytes (the last may be shorter)
+                        for start in range(0, n, segment):
+                            self._handle_safely(view[start : min(start + segment, n)], addr)
+                    else:
+                        self._handle_safely(view[:n], addr)
             self._flush_acks()
+
+    def _handle_safely(self, data: memoryview, addr: Addr) -> None:
+        try:
+            self._handle(data, addr)
+        except Exception:  # noqa: BLE001 - a handler bug must not kill the receive thread
+            self.count("handler_error")
+            logger.exception("error handling a datagram from %s", addr)
 
     def _handle(self, data: memoryview, addr: Addr) -> None:
         if self._faults is not None and self._faults.drop_received():
@@ -754,6 +893,11 @@ class Transport:
                     failures.append((self._jobs.get(flow.job_id), error))
                     continue
                 timeout = flow.rto * flow.backoff
+                if now - flow.last_progress < timeout:
+                    # The peer acknowledged something within the RTO: it is draining what it was
+                    # sent, only late (a busy or starved receiver). Resending now would only add
+                    # duplicates to its full buffer; real losses are resent on SACK/NACK evidence.
+                    continue
                 expired = []
                 for item in flow.unacked.values():
                     if now - item.last_sent < timeout:

@@ -1,0 +1,46 @@
+"""Socket buffer sizing shared by every Checkmate datagram socket (workers' transport, shadows).
+
+Linux caps ``SO_RCVBUF``/``SO_SNDBUF`` at ``net.core.rmem_max``/``wmem_max`` (4 MiB on
+many machines, doubled by the kernel to 8 MiB), which holds only about 500 jumbo
+datagrams: one 8 MB gradient bucket does not fit. A process with ``CAP_NET_ADMIN``
+(root, also inside a network namespace it created) may exceed the cap with
+``SO_RCVBUFFORCE``/``SO_SNDBUFFORCE``, which Python's :mod:`socket` does not name;
+:func:`grow_buffer` uses them where it can and falls back to the capped option.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+logger = logging.getLogger(__name__)
+
+SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+"""Linux's option numbers (asm-generic/socket.h); Python's socket module does not define them."""
+_FORCE = {socket.SO_RCVBUF: SO_RCVBUFFORCE, socket.SO_SNDBUF: SO_SNDBUFFORCE}
+
+
+def grow_buffer(sock: socket.socket, option: int, size: int) -> int:
+    """Set ``option`` (``SO_RCVBUF`` or ``SO_SNDBUF``) to ``size`` bytes, past the sysctl cap as root.
+
+    Returns the size the kernel reports afterwards (twice what it granted, by Linux's
+    convention). Never raises for a refused size: the socket keeps what it could get.
+    """
+    force = _FORCE.get(option)
+    if force is None:
+        raise ValueError(f"socket option {option} is neither SO_RCVBUF nor SO_SNDBUF")
+    granted = False
+    if os.geteuid() == 0:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, force, size)
+            granted = True
+        except OSError as exc:  # no CAP_NET_ADMIN here (e.g. an unprivileged container)
+            logger.debug("SO_*BUFFORCE refused (%s); using the capped option", exc)
+    if not granted:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, size)
+        except OSError as exc:
+            logger.debug("cannot set socket buffer option %d to %d: %s", option, size, exc)
+    return int(sock.getsockopt(socket.SOL_SOCKET, option))
