@@ -66,7 +66,7 @@ demo: setup
 	  exit 1; \
 	fi
 	@if command -v p4c >/dev/null 2>&1; then $(MAKE) --no-print-directory p4; fi
-	$(PY) -m topologies.demo $(DEMO_ARGS)
+	$(PY) -m experiments.demo $(DEMO_ARGS)
 
 p4:
 	@if ! command -v p4c >/dev/null 2>&1; then \
@@ -101,11 +101,11 @@ bench: setup
 	  echo "make bench: needs root (the demo's emulated network: namespaces, veth pairs, a software switch): sudo make bench"; \
 	  exit 1; \
 	fi
-	$(PY) -m topologies.bench $(BENCH_ARGS)
+	$(PY) -m experiments.bench $(BENCH_ARGS)
 
 bench-scaling: setup
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench-scaling: needs root (the emulated network)"; exit 1; fi
-	$(PY) -m topologies.bench_scaling $(BENCH_ARGS)
+	$(PY) -m experiments.bench.scaling $(BENCH_ARGS)
 
 bench-switch: setup
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench-switch: needs root (network namespaces)"; exit 1; fi

@@ -250,7 +250,7 @@ def run_network(
     """Every world size through the emulated network: rows, errors, the switch's drop counters."""
     from checkmate.network import Network
     from checkmate.wire import CHECKMATE_UDP_PORT
-    from topologies.bench_network import DEFAULT_WORK_DIR, BenchNetwork, HostCommandError
+    from experiments.bench.network import DEFAULT_WORK_DIR, BenchNetwork, HostCommandError
 
     available = Network.load(topology).hosts_with_role("worker")
     if max(worlds) > len(available) or min(worlds) < 2:

@@ -1,6 +1,6 @@
 """A small real training job in the emulated network with faults injected, and the check that matters.
 
-:class:`FaultJob` is :class:`topologies.demo.DemoRun` (``make demo``: the
+:class:`FaultJob` is :class:`experiments.demo.DemoRun` (``make demo``: the
 ``single`` topology on the embedded switch in Mininet, ``checkmate-ctl job
 add``, ``checkmate-shadow`` in the shadow hosts, ``train_lm`` workers under the
 launcher, teardown always) with:
@@ -50,8 +50,7 @@ from checkmate.checkpoint import (
 from checkmate.checkpoint.digest import state_digests
 from checkmate.control import DEFAULT_CONTROL_PORT
 from checkmate.wire import CHECKMATE_UDP_PORT
-from tests.topologies.harness import root_interfaces
-from topologies.demo import (
+from experiments.demo import (
     CTL,
     NET,
     REPO,
@@ -63,7 +62,8 @@ from topologies.demo import (
     Observer,
     _secret_env,
 )
-from topologies.launcher import LaunchConfig, tail
+from experiments.launcher import LaunchConfig, tail
+from tests.topologies.harness import root_interfaces
 from topologies.runstate import RunState
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from topologies.bench import (
+from experiments.bench.cli import (
     TABLE_BEGIN,
     TABLE_END,
     BenchConfig,
@@ -185,7 +185,7 @@ def test_command_line() -> None:
     args = build_parser().parse_args(
         ["--systems", "checkmate,torch-save-K", "--k", "5", "--iterations", "40"]
     )
-    config = config_from(args, "python -m topologies.bench")
+    config = config_from(args, "python -m experiments.bench")
     assert [s.name for s in config.selected()] == ["checkmate", "torch-save-5"]
     assert config.selected()[1].every == 5
     with pytest.raises(BenchError, match="unknown"):

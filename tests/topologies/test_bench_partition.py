@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from topologies.bench_partition import (
+from experiments.bench.partition import (
     CpuPartition,
     PartitionError,
     check_placement,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from topologies.bench import BenchError
-from topologies.bench_scaling import build_parser, parse_workers, plan_from, rows_from, write
+from experiments.bench.cli import BenchError
+from experiments.bench.scaling import build_parser, parse_workers, plan_from, rows_from, write
 
 
 def test_worker_counts_checked() -> None:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from topologies import bench
-from topologies.bench import (
+from experiments.bench import cli as bench
+from experiments.bench.cli import (
     TABLE_BEGIN,
     TABLE_END,
     BenchConfig,
@@ -24,8 +24,8 @@ from topologies.bench import (
     scaled_topology,
     write_suite,
 )
-from topologies.bench_partition import CpuPartition
-from topologies.bench_sweep import (
+from experiments.bench.partition import CpuPartition
+from experiments.bench.sweep import (
     Point,
     SweepError,
     analyse,
@@ -155,7 +155,7 @@ def test_k_lists() -> None:
 
 # ---- options refused before anything starts -------------------------------------------------
 def _plan(*argv: str) -> list[BenchConfig]:
-    return plan_from(build_parser().parse_args(list(argv)), "python -m topologies.bench")
+    return plan_from(build_parser().parse_args(list(argv)), "python -m experiments.bench")
 
 
 def test_plan_runs_each_workload_in_each_placement() -> None:
@@ -326,7 +326,7 @@ def test_interrupted_benchmark_leaves_nothing_behind(tmp_path: Path) -> None:
 
     work = tmp_path / "work"
     out = tmp_path / "out"
-    argv = [sys.executable, "-m", "topologies.bench", "--workloads", "tinylm", "--placement", "partitioned"]
+    argv = [sys.executable, "-m", "experiments.bench", "--workloads", "tinylm", "--placement", "partitioned"]
     argv += ["--systems", "checkmate", "--iterations", "400", "--rounds", "1", "--sweep-k", "", "--no-docs"]
     argv += ["--work-dir", str(work), "--json", str(out / "bench.json"), "--png", str(out / "bench.png")]
     argv += ["--switch-name", "bi1"]

@@ -1,7 +1,7 @@
 """Issue 9's bad input for ``make demo``: a demo killed outright leaves its network up; the next
 demo takes that down and says so; Ctrl-C stops everything and takes the network down.
 
-Runs ``python -m topologies.demo`` itself (what ``make demo`` runs) in a private
+Runs ``python -m experiments.demo`` itself (what ``make demo`` runs) in a private
 work directory with the default ``single`` topology (switch ``s1``, so it must not
 run next to another network with that switch name; the test suite is sequential).
 """
@@ -27,7 +27,7 @@ START_TIMEOUT_S = 150.0
 
 
 def _start_demo(work: Path, out: Path) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "topologies.demo", "--iterations", "60", "--no-reference"]
+    argv = [sys.executable, "-m", "experiments.demo", "--iterations", "60", "--no-reference"]
     argv += ["--work-dir", str(work), "--results", str(work / "results")]
     with out.open("ab") as sink:
         return subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=ENV)

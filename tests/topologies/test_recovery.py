@@ -1,12 +1,12 @@
 """Issue 8's "Done when", end to end: kill a worker, resume from the shadows, lose at most one
 iteration, finish bit-identical to a run that never failed.
 
-Each test runs :class:`topologies.demo.DemoRun` (what ``make demo`` runs) with a
+Each test runs :class:`experiments.demo.DemoRun` (what ``make demo`` runs) with a
 small TinyLM and few iterations: ``single`` on the embedded target (its switch
 renamed so the test can run next to another network), a job with workers
 h1-h3 and shadows sh1, sh2, ``checkmate-shadow`` in both shadows,
 ``examples/train_lm.py`` in the workers under
-:class:`topologies.launcher.Launcher`, which SIGKILLs rank 1 during an
+:class:`experiments.launcher.Launcher`, which SIGKILLs rank 1 during an
 iteration and restarts all three. Afterwards the same job runs without the
 failure, as the reference. Everything is torn down, also on failure.
 """
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from experiments.demo import DemoConfig, DemoRun
 from tests.topologies.harness import root_interfaces
-from topologies.demo import DemoConfig, DemoRun
 
 pytestmark = pytest.mark.root
 

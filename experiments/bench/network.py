@@ -1,7 +1,7 @@
 """An emulated network for host-side benchmarks: up beside other networks, one command per host, down.
 
-:class:`BenchNetwork` reuses the demo's bring-up (:class:`topologies.demo.DemoRun`) the way
-:mod:`topologies.bench` does: a private copy of the topology with every switch renamed
+:class:`BenchNetwork` reuses the demo's bring-up (:class:`experiments.demo.DemoRun`) the way
+:mod:`experiments.bench.cli` does: a private copy of the topology with every switch renamed
 (``hb1``, ``hb2``, ... so that its port interfaces, which live in the root namespace, do not
 clash with another network built from the same description), its own run directory and
 controller state, the embedded switch target by default. No job is registered at the switch.
@@ -27,9 +27,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from topologies.demo import NET, REPO, DemoConfig, DemoRun, Observer
+from experiments.demo import NET, REPO, DemoConfig, DemoRun, Observer
+from experiments.launcher import tail
 from topologies.hosts import HOST_INTERFACE
-from topologies.launcher import tail
 from topologies.runstate import RunState, RunStateError
 
 logger = logging.getLogger(__name__)

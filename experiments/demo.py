@@ -1,6 +1,6 @@
 """``make demo``: train through the emulated switch, kill a worker, recover from the shadows, verify.
 
-    python -m topologies.demo [--iterations 100] [--kill-at 40] [--no-reference] [--work-dir DIR]
+    python -m experiments.demo [--iterations 100] [--kill-at 40] [--no-reference] [--work-dir DIR]
 
 Steps (each a progress bar):
 
@@ -12,7 +12,7 @@ Steps (each a progress bar):
    sh1, sh2): the switch now copies the job's tagged all-gather packets;
 3. **shadows**: ``checkmate-shadow run`` in sh1 and sh2, snapshotting every
    iteration into one shared directory;
-4. **training**: :class:`~topologies.launcher.Launcher` runs
+4. **training**: :class:`~experiments.launcher.Launcher` runs
    ``examples/train_lm.py`` (TinyLM, AdamW, cosine LR, clipping)
    in h1-h3, kills one worker with SIGKILL during ``--kill-at``, and restarts
    all three from the shadows' latest certified state;
@@ -53,8 +53,8 @@ from checkmate.control import DEFAULT_CONTROL_PORT
 from checkmate.network import Network
 from checkmate.wire import CHECKMATE_UDP_PORT
 from controller.job_secrets import JobSecrets
+from experiments.launcher import KillPlan, LaunchConfig, Launcher, LaunchError, LaunchResult, tail
 from topologies.cleanup import cleanup
-from topologies.launcher import KillPlan, LaunchConfig, Launcher, LaunchError, LaunchResult, tail
 from topologies.runstate import RunState, RunStateError
 
 logger = logging.getLogger(__name__)
@@ -701,7 +701,7 @@ class DemoRun:
         argv = [
             config.python,
             "-m",
-            "topologies.recovery",
+            "shadow.restore",
             "digest",
             "--iteration",
             str(config.iterations - 1),
@@ -1029,7 +1029,7 @@ def _shown(path: Path) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = DemoConfig()
-    parser = argparse.ArgumentParser(prog="python -m topologies.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m experiments.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=defaults.iterations)
     parser.add_argument(
         "--kill-at", type=int, default=defaults.kill_iteration, help="iteration during which a worker dies"

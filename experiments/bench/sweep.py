@@ -13,7 +13,7 @@ runs here):
 * ``checkmate_more_often_*``: those k divided by Checkmate's interval (1): "Checkmate
   checkpoints k times more often at the same cost";
 * the expected repeated iterations per failure at those settings (``k/2 + d``, d the
-  mean delay until the checkpoint is complete, see ``topologies.bench``).
+  mean delay until the checkpoint is complete, see ``experiments.bench``).
 
 When no swept k qualifies, the k is None and ``reached`` is False: the ratio is then
 at least the largest swept k (``at_least``), never a made-up figure.

@@ -1,15 +1,15 @@
 """Scaling of ``make bench``: iteration time and Checkmate's ratio to its ideal, 2-6 workers x model sizes.
 
-    python -m topologies.bench_scaling [--workers 2,3,4,5,6] [--workloads tinylm,medium,large-state]
+    python -m experiments.bench.scaling [--workers 2,3,4,5,6] [--workloads tinylm,medium,large-state]
 
-For each worker count and workload one partitioned benchmark run (``topologies.bench``'s
-:class:`~topologies.bench.BenchRun`: its own network, the same CPU partition as
+For each worker count and workload one partitioned benchmark run (``experiments.bench``'s
+:class:`~experiments.bench.cli.BenchRun`: its own network, the same CPU partition as
 ``make bench``) of ``ideal-cm-transport`` and ``checkmate`` (``--systems`` to change),
 ``--rounds`` rounds each. Writes ``results/scaling.json`` and ``results/scaling.png``
 (mean iteration time per worker count, one line per workload and system; Checkmate's
 ratio to its same-transport ideal), each file written atomically; nothing is written
 when the run is interrupted. More than 4 workers use a copy of ``single.json`` with
-h5, h6 added (:func:`topologies.bench.scaled_topology`).
+h5, h6 added (:func:`experiments.bench.cli.scaled_topology`).
 
 Not measured here: the network's and the shadows' share of an iteration (the issue
 asks for them; they need a profile of the transport and the shadows, not these logs).
@@ -30,9 +30,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from topologies import bench, bench_partition
-from topologies.bench import MAX_WORKERS, MIN_WORKERS, WORKLOADS, BenchConfig, BenchError, BenchRun
-from topologies.bench_partition import PartitionError
+from experiments.bench import cli as bench
+from experiments.bench import partition as bench_partition
+from experiments.bench.cli import MAX_WORKERS, MIN_WORKERS, WORKLOADS, BenchConfig, BenchError, BenchRun
+from experiments.bench.partition import PartitionError
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def plan_from(args: argparse.Namespace) -> list[BenchConfig]:
                 global_batch=workload.per_worker_batch * count,
                 model_args=workload.model_args,
                 rename_switches=(("s1", "bs1"),),
-                command="python -m topologies.bench_scaling",
+                command="python -m experiments.bench.scaling",
             )
             config.selected()
             plan.append(config)
@@ -165,7 +166,7 @@ def write(
     document = {
         "rows": rows,
         "runs": runs,
-        "command": " ".join(["python -m topologies.bench_scaling", *args.given]),
+        "command": " ".join(["python -m experiments.bench.scaling", *args.given]),
         "seconds": round(seconds, 1),
         "not_measured": "the network's and the shadows' share of an iteration",
     }
@@ -181,7 +182,7 @@ def write(
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m topologies.bench_scaling", description=__doc__.splitlines()[0]
+        prog="python -m experiments.bench.scaling", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--workers", default="2,3,4,5,6", help=f"worker counts ({MIN_WORKERS}-{MAX_WORKERS})")
     parser.add_argument("--workloads", default="tinylm,medium,large-state", help=", ".join(WORKLOADS))
@@ -210,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("bench_scaling: needs root (the emulated network)", file=sys.stderr)
         return 1
-    from topologies.demo import DemoError, RichObserver
+    from experiments.demo import DemoError, RichObserver
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt

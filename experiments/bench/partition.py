@@ -12,7 +12,7 @@ How it is applied:
 * the benchmark process pins all of its threads to the *infrastructure* set before it
   brings the network up (:func:`pin_process`); the supervisor, the switch, the Mininet
   host shells and the shadows are its descendants and inherit the mask;
-* each worker is started through ``python -m topologies.bench_partition exec --cpus
+* each worker is started through ``python -m experiments.bench.partition exec --cpus
   SET -- COMMAND...`` (:func:`exec_prefix`), which sets its own mask and ``exec``s the
   command (same pid, so the launcher's signals reach the worker);
 * what actually ran where is read back from ``/proc/PID/status``
@@ -280,7 +280,7 @@ def exec_prefix(cpus: Iterable[int], python: str | None = None) -> tuple[str, ..
     return (
         python or sys.executable,
         "-m",
-        "topologies.bench_partition",
+        "experiments.bench.partition",
         "exec",
         "--cpus",
         format_cpu_list(cpus),
@@ -290,7 +290,7 @@ def exec_prefix(cpus: Iterable[int], python: str | None = None) -> tuple[str, ..
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m topologies.bench_partition", description="Run a command pinned to a CPU set."
+        prog="python -m experiments.bench.partition", description="Run a command pinned to a CPU set."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("exec", help="set this process's CPU set, then exec the command (same pid)")

@@ -1,19 +1,19 @@
 """``make bench``: Checkmate next to the checkpointing users pick today, on the demo's model and network.
 
-    python -m topologies.bench [--workloads tinylm,large-state] [--placement partitioned,colocated]
+    python -m experiments.bench [--workloads tinylm,large-state] [--placement partitioned,colocated]
         [--worker-cpus 0 --infra-cpus 1] [--sweep-k 1,2,4,8,16] [--iterations N] [--k 10]
         [--rounds 3] [--workers 3] [--systems a,b,...]
 
 For each workload (``WORKLOADS``: TinyLM, and a large-state 21.7M-parameter TinyLM) and
 each placement — *partitioned*: the workers pinned to one CPU set, the switch, supervisor,
-shadows and this process to another (:mod:`topologies.bench_partition`; what ran where
+shadows and this process to another (:mod:`experiments.bench.partition`; what ran where
 is read back from /proc into the results), and *colocated*: no pinning — one invocation
 brings up the demo's emulated network (``topologies/single.json``, more workers added for
 ``--workers`` > 4, on the embedded switch target, its switch renamed so it can run next
 to other networks), trains with the DDP workers once per system, the same number of
 iterations each, and takes the network down. In the first placement the peers
 ``torch-save``, ``checkfreq`` and ``dcp-process`` also run once per k of ``--sweep-k``
-(:mod:`topologies.bench_sweep`: the smallest k within 5 % of the ideal / matching
+(:mod:`experiments.bench.sweep`: the smallest k within 5 % of the ideal / matching
 Checkmate). The systems:
 
 * ``ideal-gloo`` — DDP over gloo, no checkpoints;
@@ -63,16 +63,17 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from topologies import bench_partition, bench_sweep
-from topologies.bench_partition import CpuPartition, PartitionError
-from topologies.bench_sweep import SWEEP_PEERS, SweepError
-from topologies.demo import DemoConfig, DemoError, DemoRun, Observer, RunSeries
-from topologies.launcher import LaunchConfig
+from experiments.bench import partition as bench_partition
+from experiments.bench import sweep as bench_sweep
+from experiments.bench.partition import CpuPartition, PartitionError
+from experiments.bench.sweep import SWEEP_PEERS, SweepError
+from experiments.demo import DemoConfig, DemoError, DemoRun, Observer, RunSeries
+from experiments.launcher import LaunchConfig
 from topologies.runstate import RunState, RunStateError
 
 logger = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_WORK_DIR = Path("/tmp/checkmate-bench")
 TABLE_BEGIN = "<!-- bench-table:begin -->"
 TABLE_END = "<!-- bench-table:end -->"
@@ -1016,7 +1017,7 @@ def write_suite(
 # ---- the command line -----------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     defaults = BenchConfig()
-    parser = argparse.ArgumentParser(prog="python -m topologies.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--iterations",
         type=int,
@@ -1175,14 +1176,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rich.console import Console
     from rich.markdown import Markdown
 
-    from topologies.demo import RichObserver
+    from experiments.demo import RichObserver
 
     console = Console()
     given = list(sys.argv[1:] if argv is None else argv)
     if argv is None and os.environ.get("MAKELEVEL"):
         command = "make bench" + (f' BENCH_ARGS="{" ".join(given)}"' if given else "")
     else:
-        command = " ".join(["python -m topologies.bench", *given])
+        command = " ".join(["python -m experiments.bench", *given])
     try:
         plan = plan_from(args, command)
     except BenchError as exc:
