@@ -117,7 +117,7 @@ bench-hosts: setup
 	  exit 1; \
 	fi
 	$(PY) -m hosts.benchmark $(BENCH_ARGS)
-	$(PY) -m hosts.benchmark --network topologies/single.json $(BENCH_ARGS)
+	$(PY) -m experiments.bench.transport topologies/single.json $(BENCH_ARGS)
 
 bench-shadow: setup
 	$(PY) -m shadow.benchmark --json results/shadow_bench.json $(BENCH_ARGS)

@@ -1,29 +1,23 @@
-"""Benchmark (not a test): Checkmate ring all-reduce and DDP step time vs gloo, on loopback or a network.
+"""Benchmark (not a test): Checkmate ring all-reduce and DDP step time vs gloo, on loopback.
 
-    .venv/bin/python -m hosts.benchmark [--worlds 2 3 4] [--mib 16] [--reps 5] [--steps 10]
-    .venv/bin/python -m hosts.benchmark --network topologies/single.json   (root)
+    .venv/bin/python -m hosts.benchmark [--worlds 2 3 4] [--mib 16] [--reps 7] [--steps 10]
 
 Each world size N runs in its own processes (one per rank, ``torch.set_num_threads(1)``) and
-measures, per rank, the same four things: gloo all-reduce, Checkmate ring all-reduce
-(:class:`hosts.ring_allreduce.RingAllReduce` on :class:`hosts.transport.Transport`), and the
-step time of an MLP under DDP with gloo and with the Checkmate comm hook
-(:func:`hosts.ddp.enable_checkmate`). It reports bus bandwidth (``2(N-1)/N * bytes / time``,
-the NCCL convention, median over the repetitions) and the median DDP step time, writes JSON
-and prints a table.
+measures, per rank: gloo's all-reduce and Checkmate's ring all-reduce
+(:class:`hosts.ring_allreduce.RingAllReduce` on :class:`hosts.transport.Transport`) of the same
+tensor, *interleaved* (gloo, ring, gloo, ring, ...: load from other processes on the machine
+falls on both alike), each with its wall time and the process's CPU time (all threads); then
+the step time of an MLP under DDP with gloo and with the Checkmate comm hook
+(:func:`hosts.ddp.enable_checkmate`; ``--steps 0`` skips it). It reports bus bandwidth
+(``2(N-1)/N * bytes / time``, the NCCL convention, median over the repetitions), the median
+CPU milliseconds per all-reduce, the transport's retransmissions and GSO writes, the kernel's
+``UdpRcvbufErrors`` during the ring's repetitions, and the load average; writes JSON and prints
+a table. Ranks are bound to 127.0.0.(10+r) on the Checkmate UDP port; gloo rendezvous through
+a file.
 
-Loopback (the default): ranks are local processes bound to 127.0.0.(10+r) on the Checkmate UDP
-port; gloo rendezvous through a file.
-
-``--network TOPOLOGY``: the topology is brought up in Mininet on the embedded switch target
-(:class:`topologies.bench_network.BenchNetwork`: its switches renamed, its own run directory,
-so it runs beside other networks) and rank r runs in worker host r+1 of the topology (h1..hN
-for ``single.json``), bound to that host's IP on the Checkmate UDP port; gloo's rendezvous
-and traffic go through the same network (``MASTER_ADDR`` = the first worker's IP). No job is
-registered at the switch: the ring's tagged all-gather packets (REPLICATE set) are forwarded
-like any other, nothing is copied to a shadow, so this measures the transport itself (the
-"ideal transport" case of ``make bench``). The network is always taken down at the end, also on
-an error or Ctrl-C; the switch's drop counters are reported. Writes
-results/hosts_bench_network.json by default.
+The same measurement through the emulated network (ranks in Mininet hosts, every packet
+through the software switch) is :mod:`experiments.bench.transport`; it runs each rank as
+``python -m hosts.benchmark --rank-spec FILE`` inside a host.
 """
 
 from __future__ import annotations
@@ -37,25 +31,27 @@ import os
 import pathlib
 import queue
 import secrets
-import signal
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from types import FrameType
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK_OUT = "results/hosts_bench.json"
-NETWORK_OUT = "results/hosts_bench_network.json"
-MASTER_PORT_BASE = 29600
-"""gloo's rendezvous port in network mode: this plus the world size (a fresh port per run)."""
-IDEAL_NOTE = (
-    "no job is registered at the switch: the ring's tagged all-gather packets are forwarded, "
-    "nothing is copied to a shadow (the ideal-transport case)"
-)
+
+
+def udp_rcvbuf_errors() -> int | None:
+    """The kernel's UdpRcvbufErrors counter of this network namespace (datagrams dropped at full buffers)."""
+    try:
+        lines = pathlib.Path("/proc/net/snmp").read_text().splitlines()
+    except OSError:
+        return None
+    rows = [line.split() for line in lines if line.startswith("Udp:")]
+    if len(rows) < 2 or "RcvbufErrors" not in rows[0]:
+        return None
+    return int(rows[1][rows[0].index("RcvbufErrors")])
 
 
 def rank_benchmark(
@@ -70,9 +66,7 @@ def rank_benchmark(
     """One rank's measurements; every rank of the world calls it at once (``workers[r]`` is rank r's)."""
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from hosts.ddp import CheckmateConfig, enable_checkmate
     from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig
     from hosts.transport import Transport, TransportConfig
 
@@ -91,75 +85,94 @@ def rank_benchmark(
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
     result: dict[str, Any] = {"bind": list(addresses[rank])}
 
-    # all-reduce: gloo
-    times = []
-    for _ in range(reps):
-        y = x.clone()
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(y)
-        times.append(time.perf_counter() - t0)
-    result["gloo_allreduce_s"] = times
-
-    # all-reduce: Checkmate ring (a separate job id; the DDP agent below makes its own transport)
+    # all-reduce, interleaved: gloo, ring, gloo, ring, ... (a separate job id; DDP below makes its own)
     transport = Transport(TransportConfig(bind=addresses[rank], peer_timeout=30.0))
     ring = RingAllReduce(
         transport, RingConfig(job_id=4242, rank=rank, workers=addresses, timeout=collective_timeout)
     )
-    times = []
+    timings: dict[str, list[float]] = {k: [] for k in ("gloo_s", "gloo_cpu_s", "ring_s", "ring_cpu_s")}
+    ring_drops = 0
     for i in range(reps):
+        y = x.clone()
         dist.barrier()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
+        dist.all_reduce(y)
+        timings["gloo_s"].append(time.perf_counter() - t0)
+        timings["gloo_cpu_s"].append(time.process_time() - c0)
+        dist.barrier()
+        before = udp_rcvbuf_errors()
+        c0, t0 = time.process_time(), time.perf_counter()
         ring.allreduce(i, 0, x, ReduceOp.SUM)
-        times.append(time.perf_counter() - t0)
-    result["ring_allreduce_s"] = times
-    result["ring_transport"] = transport.stats()
+        timings["ring_s"].append(time.perf_counter() - t0)
+        timings["ring_cpu_s"].append(time.process_time() - c0)
+        after = udp_rcvbuf_errors()
+        if before is not None and after is not None:
+            ring_drops += after - before
+    result["gloo_allreduce_s"] = timings["gloo_s"]
+    result["gloo_allreduce_cpu_s"] = timings["gloo_cpu_s"]
+    result["ring_allreduce_s"] = timings["ring_s"]
+    result["ring_allreduce_cpu_s"] = timings["ring_cpu_s"]
+    result["udp_rcvbuf_errors_during_ring"] = ring_drops
     transport.wait_idle(10.0)
+    result["ring_transport"] = transport.stats()
     dist.barrier()
     ring.close()
     transport.close()
 
-    # DDP step time
-    def step_times(checkmate: bool) -> list[float]:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(1024, 1024),
-            torch.nn.ReLU(),
-            torch.nn.Linear(1024, 1024),
-            torch.nn.Linear(1024, 10),
+    if steps > 0:
+        result["gloo_step_s"] = _step_times(
+            rank, world, addresses, steps, collective_timeout, checkmate=False
         )
-        ddp = DDP(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-        config = CheckmateConfig(
-            job_id=1,
-            rank=rank,
-            world_size=world,
-            bind=addresses[rank],
-            workers=addresses,
-            timeout=collective_timeout,
-            peer_timeout=30.0,
+        result["checkmate_step_s"] = _step_times(
+            rank, world, addresses, steps, collective_timeout, checkmate=True
         )
-        agent = enable_checkmate(ddp, opt, config) if checkmate else None
-        g = torch.Generator().manual_seed(rank)
-        out_times = []
-        for _ in range(steps + 1):
-            data = torch.randn(32, 1024, generator=g)
-            target = torch.randint(0, 10, (32,), generator=g)
-            t0 = time.perf_counter()
-            loss = torch.nn.functional.cross_entropy(ddp(data), target)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            out_times.append(time.perf_counter() - t0)
-        if agent is not None:
-            agent.close()
-        return out_times[1:]  # the first step builds buckets
-
-    result["gloo_step_s"] = step_times(False)
-    result["checkmate_step_s"] = step_times(True)
     dist.barrier()
     dist.destroy_process_group()
     return result
+
+
+def _step_times(
+    rank: int, world: int, addresses: tuple[tuple[str, int], ...], steps: int, timeout: float, checkmate: bool
+) -> list[float]:
+    """DDP step times of a 2.1M-parameter MLP, over gloo or with the Checkmate comm hook."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hosts.ddp import CheckmateConfig, enable_checkmate
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 1024),
+        torch.nn.Linear(1024, 10),
+    )
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    config = CheckmateConfig(
+        job_id=1,
+        rank=rank,
+        world_size=world,
+        bind=addresses[rank],
+        workers=addresses,
+        timeout=timeout,
+        peer_timeout=30.0,
+    )
+    agent = enable_checkmate(ddp, opt, config) if checkmate else None
+    g = torch.Generator().manual_seed(rank)
+    out_times = []
+    for _ in range(steps + 1):
+        data = torch.randn(32, 1024, generator=g)
+        target = torch.randint(0, 10, (32,), generator=g)
+        t0 = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(ddp(data), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out_times.append(time.perf_counter() - t0)
+    if agent is not None:
+        agent.close()
+    return out_times[1:]  # the first step builds buckets
 
 
 def summarize(world: int, mib: int, r0: dict[str, Any]) -> dict[str, Any]:
@@ -170,15 +183,26 @@ def summarize(world: int, mib: int, r0: dict[str, Any]) -> dict[str, Any]:
     def busbw(times: list[float]) -> float:
         return factor * nbytes / statistics.median(times) / 1e6
 
-    return {
+    stats = r0["ring_transport"]
+    gloo, ring = busbw(r0["gloo_allreduce_s"]), busbw(r0["ring_allreduce_s"])
+    row = {
         "world_size": world,
         "bytes": nbytes,
-        "gloo_busbw_MBps": busbw(r0["gloo_allreduce_s"]),
-        "checkmate_busbw_MBps": busbw(r0["ring_allreduce_s"]),
-        "gloo_step_ms": 1e3 * statistics.median(r0["gloo_step_s"]),
-        "checkmate_step_ms": 1e3 * statistics.median(r0["checkmate_step_s"]),
-        "ring_retransmits": sum(v for k, v in r0["ring_transport"].items() if k.startswith("retransmit.")),
+        "gloo_busbw_MBps": gloo,
+        "checkmate_busbw_MBps": ring,
+        "ratio": ring / gloo,
+        "gloo_cpu_ms": 1e3 * statistics.median(r0["gloo_allreduce_cpu_s"]),
+        "checkmate_cpu_ms": 1e3 * statistics.median(r0["ring_allreduce_cpu_s"]),
+        "ring_retransmits": sum(v for k, v in stats.items() if k.startswith("retransmit.")),
+        "ring_retransmits_by_cause": {k[11:]: v for k, v in stats.items() if k.startswith("retransmit.")},
+        "ring_gso_writes": stats.get("gso_writes", 0),
+        "ring_datagrams_sent": stats.get("data_sent", 0),
+        "udp_rcvbuf_errors_during_ring": r0.get("udp_rcvbuf_errors_during_ring"),
     }
+    if "gloo_step_s" in r0:
+        row["gloo_step_ms"] = 1e3 * statistics.median(r0["gloo_step_s"])
+        row["checkmate_step_ms"] = 1e3 * statistics.median(r0["checkmate_step_s"])
+    return row
 
 
 # ---- loopback ---------------------------------------------------------------------------------
@@ -218,9 +242,8 @@ def run(world: int, mib: int, reps: int, steps: int, timeout: float = 600.0) -> 
     return summarize(world, mib, results[0])
 
 
-# ---- emulated network -------------------------------------------------------------------------
-def _rank_from_spec(path: pathlib.Path) -> int:
-    """``--rank-spec``: run one rank inside an emulated host, as the spec file says; write its result."""
+def rank_from_spec(path: pathlib.Path) -> int:
+    """``--rank-spec``: run one rank (in an emulated host) as the spec file says; write its result."""
     spec = json.loads(path.read_text())
     result = rank_benchmark(
         spec["rank"],
@@ -238,172 +261,112 @@ def _rank_from_spec(path: pathlib.Path) -> int:
     return 0
 
 
-def run_network(
-    topology: pathlib.Path,
-    worlds: Sequence[int],
-    mib: int,
-    reps: int,
-    steps: int,
-    timeout: float,
-    work_dir: pathlib.Path | None = None,
-) -> dict[str, Any]:
-    """Every world size through the emulated network: rows, errors, the switch's drop counters."""
-    from checkmate.network import Network
-    from checkmate.wire import CHECKMATE_UDP_PORT
-    from experiments.bench.network import DEFAULT_WORK_DIR, BenchNetwork, HostCommandError
-
-    available = Network.load(topology).hosts_with_role("worker")
-    if max(worlds) > len(available) or min(worlds) < 2:
-        raise ValueError(f"--worlds {list(worlds)}: {topology} has {len(available)} workers (need 2..that)")
-    rows: list[dict[str, Any]] = []
-    errors: dict[str, str] = {}
-    hosts_used: dict[str, list[str]] = {}
-    net = BenchNetwork(topology, work_dir or DEFAULT_WORK_DIR)
-    try:
-        print(f"bringing up {topology} on the embedded switch target ...", file=sys.stderr)  # noqa: T201
-        net.up()
-        workers = net.workers
-        for world in worlds:
-            hosts = workers[:world]
-            addresses = [(net.address(h), CHECKMATE_UDP_PORT) for h in hosts]
-            folder = net.work / f"world{world}"
-            folder.mkdir(parents=True, exist_ok=True)
-            commands = {}
-            for rank, host in enumerate(hosts):
-                spec = {
-                    "rank": rank,
-                    "init_method": f"tcp://{addresses[0][0]}:{MASTER_PORT_BASE + world}",
-                    "workers": addresses,
-                    "mib": mib,
-                    "reps": reps,
-                    "steps": steps,
-                    "timeout": timeout,
-                    "result": str(folder / f"rank{rank}.json"),
-                }
-                (folder / f"rank{rank}.spec.json").write_text(json.dumps(spec))
-                (folder / f"rank{rank}.json").unlink(missing_ok=True)
-                commands[host] = [
-                    sys.executable,
-                    "-m",
-                    "hosts.benchmark",
-                    "--rank-spec",
-                    str(folder / f"rank{rank}.spec.json"),
-                ]
-            print(f"N={world}: ranks in {', '.join(hosts)} ...", file=sys.stderr)  # noqa: T201
-            hosts_used[str(world)] = hosts
-            try:
-                net.run_on_hosts(commands, folder / "output", timeout)
-                r0 = json.loads((folder / "rank0.json").read_text())
-            except (HostCommandError, OSError, json.JSONDecodeError) as exc:
-                errors[str(world)] = str(exc)[:4000]
-                print(f"N={world} failed: {str(exc)[:1500]}", file=sys.stderr)  # noqa: T201
-                continue
-            rows.append(summarize(world, mib, r0))
-    finally:
-        drops = net.close()
-    return {
-        "rows": rows,
-        "errors": errors,
-        "hosts": hosts_used,
-        "switch_drops": drops,
-        "switches": [new for _, new in net.config.rename_switches],
-    }
-
-
 # ---- the command ------------------------------------------------------------------------------
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    header = " ".join(
-        f"{h:>{w}}"
-        for h, w in (
-            ("N", 2),
-            ("MiB", 4),
-            ("gloo MB/s", 10),
-            ("ckm MB/s", 9),
-            ("gloo step ms", 13),
-            ("ckm step ms", 12),
-            ("rexmit", 6),
-        )
+    columns = (
+        ("N", 2),
+        ("MiB", 4),
+        ("gloo MB/s", 10),
+        ("ckm MB/s", 9),
+        ("ratio", 6),
+        ("gloo CPU ms", 12),
+        ("ckm CPU ms", 11),
+        ("gloo step ms", 13),
+        ("ckm step ms", 12),
+        ("rexmit", 6),
+        ("rcvbuf drops", 12),
     )
-    lines = [header]
+    lines = [" ".join(f"{h:>{w}}" for h, w in columns)]
     for r in rows:
+        step = (
+            f"{r['gloo_step_ms']:>13.1f} {r['checkmate_step_ms']:>12.1f}"
+            if "gloo_step_ms" in r
+            else f"{'-':>13} {'-':>12}"
+        )
+        drops = r.get("udp_rcvbuf_errors_during_ring")
         lines.append(
             f"{r['world_size']:>2} {r['bytes'] >> 20:>4} {r['gloo_busbw_MBps']:>10.1f} "
-            f"{r['checkmate_busbw_MBps']:>9.1f} {r['gloo_step_ms']:>13.1f} {r['checkmate_step_ms']:>12.1f} "
-            f"{r['ring_retransmits']:>6}"
+            f"{r['checkmate_busbw_MBps']:>9.1f} {r['ratio']:>6.2f} {r['gloo_cpu_ms']:>12.1f} "
+            f"{r['checkmate_cpu_ms']:>11.1f} {step} {r['ring_retransmits']:>6} "
+            f"{'-' if drops is None else drops:>12}"
         )
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4])
-    parser.add_argument("--mib", type=int, default=16, help="all-reduce size in MiB (fp32)")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=10)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every transport benchmark takes (loopback here, the emulated network elsewhere)."""
+    parser.add_argument("--worlds", type=_world, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--mib", type=_positive, default=16, help="all-reduce size in MiB (fp32)")
     parser.add_argument(
-        "--network",
-        type=pathlib.Path,
-        metavar="TOPOLOGY",
-        help="run the ranks in the worker hosts of this topology (e.g. topologies/single.json), "
-        "brought up on the embedded switch target (root); default: loopback",
+        "--reps", type=_positive, default=7, help="interleaved repetitions of each all-reduce"
     )
+    parser.add_argument("--steps", type=_non_negative, default=10, help="DDP steps per system (0: none)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one world size may take")
-    parser.add_argument("--work-dir", type=pathlib.Path, help="network mode: its run directory and files")
-    parser.add_argument("--out", help=f"JSON output (default {LOOPBACK_OUT}, with --network {NETWORK_OUT})")
-    parser.add_argument("--rank-spec", type=pathlib.Path, help=argparse.SUPPRESS)  # one rank in a host
-    args = parser.parse_args(argv)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def _world(text: str) -> int:
+    value = int(text)
+    if not 2 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"world size {text} is outside 2..64")
+    return value
+
+
+def start_document(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The JSON document's head: mode, machine, settings, the load average now."""
     # The transports authenticate their control datagrams: the benchmark's ranks share a fresh secret.
     os.environ.setdefault("CHECKMATE_JOB_SECRET", secrets.token_hex(32))
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.rank_spec is not None:
-        return _rank_from_spec(args.rank_spec)
-    load_before = [round(x, 2) for x in os.getloadavg()]
-    document: dict[str, Any] = {
-        "mode": "network" if args.network else "loopback",
+    return {
+        "mode": mode,
         "machine_cores": os.cpu_count(),
         "settings": {"mib": args.mib, "reps": args.reps, "steps": args.steps, "worlds": args.worlds},
-        "load_average_at_start": load_before,
+        "interleaved": True,
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
     }
-    if args.network is None:
-        document["rows"] = [run(w, args.mib, args.reps, args.steps, args.timeout) for w in args.worlds]
-    else:
-        if os.geteuid() != 0:
-            print("hosts.benchmark --network needs root (network namespaces, a software switch)")  # noqa: T201
-            return 1
 
-        def on_term(signum: int, frame: FrameType | None) -> None:
-            raise KeyboardInterrupt
 
-        signal.signal(signal.SIGTERM, on_term)
-        try:
-            found = run_network(
-                args.network, args.worlds, args.mib, args.reps, args.steps, args.timeout, args.work_dir
-            )
-        except KeyboardInterrupt:
-            print("interrupted: the ranks stopped, the network taken down")  # noqa: T201
-            return 130
-        except ValueError as exc:
-            print(f"hosts.benchmark: {exc}")  # noqa: T201
-            return 2
-        document.update(found, topology=str(args.network), target="embedded", note=IDEAL_NOTE)
+def finish_document(document: dict[str, Any], path: pathlib.Path, notes: Sequence[str] = ()) -> None:
+    """Write the JSON (atomically) and print the table, ``notes`` and the load averages."""
     document["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    path = pathlib.Path(args.out or (NETWORK_OUT if args.network else LOOPBACK_OUT))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=2) + "\n")
-    report = [format_table(document["rows"])]
-    if args.network:
-        report.append(
-            f"network: {args.network} on the embedded switch ({', '.join(document['switches'])}); "
-            f"{IDEAL_NOTE}"
-        )
-        drops = {f"{s}:{k}": v for s, d in document["switch_drops"].items() for k, v in d.items()}
-        report.append(f"switch drops: {json.dumps(drops) if drops else 'none'}")
-        for world, error in document["errors"].items():
-            report.append(f"N={world} failed: {error[:500]}")
-    report.append(f"load average: start {load_before}, end {document['load_average_at_end']}")
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(document, indent=2) + "\n")
+    tmp.replace(path)
+    report = [format_table(document["rows"]), *notes]
+    report.append(
+        f"load average: start {document['load_average_at_start']}, end {document['load_average_at_end']}"
+    )
     report.append(f"wrote {path}")
     print("\n".join(report))  # noqa: T201 - a benchmark script reports on stdout
-    return 1 if document.get("errors") else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(LOOPBACK_OUT), help="JSON output")
+    parser.add_argument("--rank-spec", type=pathlib.Path, help=argparse.SUPPRESS)  # one rank in a host
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.rank_spec is not None:  # the secret comes from the launching benchmark's environment
+        os.environ.setdefault("CHECKMATE_JOB_SECRET", secrets.token_hex(32))
+        return rank_from_spec(args.rank_spec)
+    document = start_document("loopback", args)
+    document["rows"] = [run(w, args.mib, args.reps, args.steps, args.timeout) for w in args.worlds]
+    finish_document(document, args.out)
+    return 0
 
 
 if __name__ == "__main__":
