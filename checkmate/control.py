@@ -16,6 +16,12 @@ travel in the blob as raw little-endian memory images; the JSON lists each as
 ``{"key", "dtype", "shape", "offset", "nbytes"}`` with its offset in the blob.
 Every read and write takes a timeout; a malformed frame raises
 :class:`ControlProtocolError`.
+
+Importable without torch: the messages, their JSON, and :func:`query_status` (the one
+client that asks a shadow for its status, used by ``checkmate-ctl job show``,
+``checkmate-shadow status`` and the restore client) need none. Only a message that
+carries tensors (``job_start``, a ``commit`` with a job state) imports torch, when it
+is encoded or decoded.
 """
 
 from __future__ import annotations
@@ -23,53 +29,64 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
+from checkmate.auth import AuthConfigError
 
 # The framing and its constants live in the torch-free checkmate.control_frame; re-exported here.
 from checkmate.control_frame import DEFAULT_CONTROL_PORT as DEFAULT_CONTROL_PORT
 from checkmate.control_frame import MAGIC as MAGIC
 from checkmate.control_frame import MAX_BLOB_BYTES as MAX_BLOB_BYTES
 from checkmate.control_frame import MAX_JSON_BYTES as MAX_JSON_BYTES
+from checkmate.control_frame import ControlAuth, FrameAuthError, bind, frame_prefix, recv_frame, send_frame
 from checkmate.control_frame import ControlProtocolError as ControlProtocolError
-from checkmate.control_frame import frame_prefix, recv_frame, send_frame
-from checkmate.job_state import JobState, JobStateError
+from checkmate.network import Addr
+
+if TYPE_CHECKING:
+    import torch
+
+    from checkmate.job_state import JobState
 
 MAX_DATA_POSITION_BYTES = 64 << 10
 """Largest data position a commit may carry, measured as compact UTF-8 JSON."""
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+MAX_STATUS_BYTES = 16 << 20
+"""A status document is a few KiB; a reply announcing more is not a shadow's."""
+
+_DTYPE_NAMES = (
+    "float32",
+    "float64",
+    "float16",
+    "bfloat16",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+)
+"""The tensor dtypes the control channel carries, by their torch names."""
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian host is supported
     raise ImportError("checkmate.control assumes a little-endian host")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise ControlProtocolError(f"tensor dtype {dtype} cannot travel on the control channel") from None
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPE_NAMES:
+        raise ControlProtocolError(f"tensor dtype {dtype} cannot travel on the control channel")
+    return name
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ControlProtocolError(f"unknown tensor dtype {name!r}") from None
+    if name not in _DTYPE_NAMES:
+        raise ControlProtocolError(f"unknown tensor dtype {name!r}")
+    import torch  # only messages with tensors need torch (see the module docstring)
+
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 def validate_data_position(position: Any) -> Any:
@@ -318,6 +335,8 @@ _TYPES: dict[str, type] = {
 
 # ---- encoding ---------------------------------------------------------------------------
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    import torch  # only messages with tensors need torch (see the module docstring)
+
     t = tensor.detach().to("cpu").contiguous().reshape(-1)
     if t.dtype in (torch.bfloat16, torch.float16):
         t = t.view(torch.int16)
@@ -351,6 +370,8 @@ def _read_tensors(listing: Any, blob: bytes | bytearray | memoryview) -> dict[st
     """The tensors a frame's listing names, read out of its blob."""
     if not isinstance(listing, list):
         raise ControlProtocolError("'tensors' is not a list")
+    import torch  # only messages with tensors need torch (see the module docstring)
+
     tensors: dict[str, torch.Tensor] = {}
     view = memoryview(blob)
     for entry in listing:
@@ -382,6 +403,8 @@ def job_state_of(message: JobStart) -> JobState | None:
     document = message.extra.get("job_state")
     if document is None:
         return None
+    from checkmate.job_state import JobState, JobStateError  # a job state holds tensors: torch
+
     n = len(JOB_STATE_TENSOR_PREFIX)
     tensors = {k[n:]: t for k, t in message.tensors.items() if k.startswith(JOB_STATE_TENSOR_PREFIX)}
     try:
@@ -462,6 +485,8 @@ def decode_message(
         raise ControlProtocolError(f"unknown control message type {kind!r}; known: {sorted(_TYPES)}")
     try:
         if cls is Commit and "job_state" in body:
+            from checkmate.job_state import JobState, JobStateError  # a job state holds tensors: torch
+
             state = JobState(body.pop("job_state"), _read_tensors(body.pop("tensors", []), blob))
             try:
                 body["job_state"] = state.validate()
@@ -504,3 +529,60 @@ def recv_message(sock: socket.socket, timeout: float) -> Message:
     """Read one frame (each socket read waits at most ``timeout`` seconds); FrameAuthError if forged."""
     text, blob = recv_frame(sock, timeout)
     return decode_message(text, blob)
+
+
+# ---- asking a shadow for its status -----------------------------------------------------
+class ShadowStatusError(ConnectionError):
+    """One shadow could not be asked or gave no usable answer; the message says why."""
+
+
+def _left(deadline: float, timeout: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"no answer within {timeout:g} s")
+    return left
+
+
+def query_status(
+    address: Addr, timeout: float, job_id: int = 0, auth: ControlAuth | None = None
+) -> dict[str, Any]:
+    """One shadow's status document (docs/shadow.md); raises :class:`ShadowStatusError` naming the cause.
+
+    The whole exchange (connect, request, reply) takes at most ``timeout`` seconds, and is
+    authenticated with ``auth`` (the job's secret; None: this process's).
+    """
+    deadline = time.monotonic() + timeout
+    request = encode_message(StatusRequest(job_id))[1:]
+    try:
+        with socket.create_connection(address, timeout=timeout) as conn:
+            session = bind(conn, auth, job_id)
+            session.send(conn, request, job_id, _left(deadline, timeout))
+            try:
+                text, blob = session.recv(conn, _left(deadline, timeout), MAX_STATUS_BYTES)
+                reply = decode_message(text, blob)
+            except FrameAuthError as exc:
+                raise ShadowStatusError(
+                    f"bad reply: {exc} (does the shadow have this job's secret?)"
+                ) from None
+            except ControlProtocolError as exc:
+                raise ShadowStatusError(f"bad reply: {exc}") from None
+    except ShadowStatusError:
+        raise
+    except TimeoutError:
+        raise ShadowStatusError(f"no answer within {timeout:g} s") from None
+    except ConnectionRefusedError:
+        raise ShadowStatusError("connection refused (no shadow listening)") from None
+    except ConnectionError as exc:
+        raise ShadowStatusError(
+            f"bad reply: {exc} (a shadow closes a connection it cannot authenticate: does it have "
+            "this job's secret?)"
+        ) from None
+    except AuthConfigError as exc:
+        raise ShadowStatusError(str(exc)) from None
+    except OSError as exc:
+        raise ShadowStatusError(exc.strerror or str(exc)) from None
+    if not isinstance(reply, StatusReport):
+        raise ShadowStatusError(f"bad reply: {reply.TYPE!r} to a status request")
+    if not isinstance(reply.status, dict):
+        raise ShadowStatusError("bad reply: the status is not a JSON object")
+    return reply.status

@@ -42,6 +42,9 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+Addr = tuple[str, int]
+"""A socket address, (host, port): a worker's data address, a shadow's control address."""
+
 ROLES = ("worker", "shadow", "host")
 """Host roles: job workers, shadow nodes, and plain hosts that take part in no job."""
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from checkmate.job import JobSpec, JobSpecError
-from checkmate.network import Network, NetworkError
+from checkmate.network import Addr, Network, NetworkError
 from checkmate.p4.program import P4INFO_PATH, Target
 from checkmate.tls import TlsFiles
 from controller.capacity import add_plan_parser, positive_int, run_plan
@@ -37,7 +37,6 @@ from controller.pipeline import PipelineConfig
 from controller.shadow_status import (
     DEFAULT_SHADOW_TIMEOUT_S,
     SHADOW_CONTROL_PORT,
-    Addr,
     ShadowStatus,
     query_shadows,
     shadow_addresses,

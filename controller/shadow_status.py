@@ -2,9 +2,8 @@
 
 Each shadow answers a ``status_request`` on its control port (TCP, default
 48880) with its status document (docs/shadow.md, "Status fields"). This module
-speaks just that exchange of the control channel, on the torch-free framing of
-:mod:`checkmate.control_frame` (the controller does not import
-:mod:`checkmate.control`, which pulls in torch).
+asks each with :func:`checkmate.control.query_status` (the control channel's one status
+client, torch-free) and turns the answers into lines or JSON.
 
 Every query has a deadline: connecting, sending and reading the whole reply
 together take at most ``timeout`` seconds. The shadows are asked in parallel,
@@ -14,41 +13,24 @@ and a shadow that is down, slow or answers garbage becomes a
 
 from __future__ import annotations
 
-import json
 import logging
-import socket
-import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from checkmate.auth import AuthConfigError
-from checkmate.control_frame import (
-    DEFAULT_CONTROL_PORT,
-    ControlAuth,
-    ControlProtocolError,
-    FrameAuthError,
-    bind,
-)
+from checkmate.control import ShadowStatusError, query_status
+from checkmate.control_frame import DEFAULT_CONTROL_PORT, ControlAuth
 from checkmate.job import JobSpec
-from checkmate.network import Network, NetworkError
+from checkmate.network import Addr, Network, NetworkError
 
 logger = logging.getLogger(__name__)
-
-Addr = tuple[str, int]
 
 SHADOW_CONTROL_PORT = DEFAULT_CONTROL_PORT
 """A shadow's control port unless told otherwise."""
 DEFAULT_SHADOW_TIMEOUT_S = 2.0
 """Seconds ``job show`` gives each shadow to answer."""
 MAX_PARALLEL_QUERIES = 32
-MAX_STATUS_BYTES = 16 << 20
-"""A status document is a few KiB; a reply announcing more is not a shadow's."""
-
-
-class ShadowStatusError(Exception):
-    """One shadow could not be asked or gave no usable answer; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -94,64 +76,6 @@ def shadow_addresses(
         except NetworkError as exc:
             addresses[name] = ShadowStatusError(f"no address: {exc}")
     return addresses
-
-
-def _left(deadline: float, timeout: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError(f"no answer within {timeout:g} s")
-    return left
-
-
-def query_status(
-    address: Addr, timeout: float, job_id: int = 0, auth: ControlAuth | None = None
-) -> dict[str, Any]:
-    """One shadow's status document; raises :class:`ShadowStatusError` naming the cause.
-
-    The whole exchange (connect, request, reply) takes at most ``timeout`` seconds, and is
-    authenticated with ``auth`` (the job's secret; None: this process's).
-    """
-    deadline = time.monotonic() + timeout
-    request = json.dumps({"type": "status_request", "job_id": job_id}).encode()
-    try:
-        with socket.create_connection(address, timeout=timeout) as conn:
-            session = bind(conn, auth, job_id)
-            session.send(conn, [request], job_id, _left(deadline, timeout))
-            try:
-                text, _ = session.recv(conn, _left(deadline, timeout), MAX_STATUS_BYTES)
-            except FrameAuthError as exc:
-                raise ShadowStatusError(
-                    f"bad reply: {exc} (does the shadow have this job's secret?)"
-                ) from None
-            except ControlProtocolError as exc:
-                raise ShadowStatusError(f"bad reply: {exc}") from None
-    except ShadowStatusError:
-        raise
-    except TimeoutError:
-        raise ShadowStatusError(f"no answer within {timeout:g} s") from None
-    except ConnectionRefusedError:
-        raise ShadowStatusError("connection refused (no shadow listening)") from None
-    except ConnectionError as exc:
-        raise ShadowStatusError(
-            f"bad reply: {exc} (a shadow closes a connection it cannot authenticate: does it have "
-            "this job's secret?)"
-        ) from None
-    except AuthConfigError as exc:
-        raise ShadowStatusError(str(exc)) from None
-    except OSError as exc:
-        raise ShadowStatusError(exc.strerror or str(exc)) from None
-    try:
-        body = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ShadowStatusError(f"bad reply: not JSON ({exc})") from None
-    if not isinstance(body, dict):
-        raise ShadowStatusError(f"bad reply: a JSON {type(body).__name__}, not an object")
-    if body.get("type") != "status":
-        raise ShadowStatusError(f"bad reply: {body.get('type')!r} to a status request")
-    status = body.get("status")
-    if not isinstance(status, dict):
-        raise ShadowStatusError("bad reply: the status is not a JSON object")
-    return status
 
 
 def _ask(

@@ -42,10 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from google.protobuf import text_format
-
 from checkmate.metrics import MetricsServer, parse_metrics_port
-from checkmate.p4.p4info import load_p4info
+from checkmate.p4.p4info import P4InfoError, load_p4info
 from checkmate.p4.program import P4INFO_PATH
 from checkmate.tls import TlsConfigError, TlsFiles, check_files
 from embedded_switch.metrics import switch_collector
@@ -300,8 +298,8 @@ def run(config: SwitchConfig, stop: threading.Event) -> int:
     if config.p4info is not None:
         try:
             info = load_p4info(config.p4info)
-        except text_format.ParseError as exc:
-            raise ProgramMismatchError(f"{config.p4info} is not a P4Info text file: {exc}") from None
+        except P4InfoError as exc:
+            raise ProgramMismatchError(str(exc)) from None
         check_program(info)
         state = build_state(info)
     ports = SwitchPorts(

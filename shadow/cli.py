@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 
 from checkmate.auth import AuthConfigError
-from checkmate.control import DEFAULT_CONTROL_PORT
+from checkmate.control import DEFAULT_CONTROL_PORT, query_status
 from checkmate.control_frame import ControlProtocolError
 from checkmate.metrics import MetricsServer, parse_metrics_port
 from checkmate.wire import CHECKMATE_UDP_PORT
@@ -29,7 +29,7 @@ from shadow.cluster import certified_through
 from shadow.metrics import shadow_collector
 from shadow.node import ShadowConfig, ShadowNode
 from shadow.repair import RepairPolicy
-from shadow.restore import RestoreError, shadow_status
+from shadow.restore import RestoreError
 from shadow.snapshots import SnapshotPolicy
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "run":
             return _run(args)
         if args.command == "status":
-            document = shadow_status(parse_address(args.address, DEFAULT_CONTROL_PORT), args.timeout)
+            document = query_status(parse_address(args.address, DEFAULT_CONTROL_PORT), args.timeout)
             print(json.dumps(document, indent=1, sort_keys=True))
             return 0
         addresses = [parse_address(a, DEFAULT_CONTROL_PORT) for a in args.addresses]

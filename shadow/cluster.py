@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from checkmate import checkpoint as fmt
-from shadow.restore import Addr, shadow_status
+from checkmate.control import query_status
+from checkmate.network import Addr
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ def certified_from_statuses(statuses: Sequence[Mapping[str, Any]]) -> int | None
 
 def certified_through(addresses: Sequence[Addr], timeout: float = 5.0) -> int | None:
     """The latest iteration every shadow (given by control address) has applied, or None."""
-    return certified_from_statuses([shadow_status(a, timeout) for a in addresses])
+    return certified_from_statuses([query_status(a, timeout) for a in addresses])
 
 
 def read_status_files(directory: Path) -> dict[str, dict[str, Any]]:

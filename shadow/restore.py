@@ -48,17 +48,15 @@ from checkmate.control import (
     Message,
     RestoreRefused,
     RestoreRequest,
-    StatusReport,
-    StatusRequest,
     job_state_of,
+    query_status,
     recv_message,
     send_message,
 )
 from checkmate.job_state import JobState
+from checkmate.network import Addr
 
 logger = logging.getLogger(__name__)
-
-Addr = tuple[str, int]
 
 
 class RestoreError(RuntimeError):
@@ -69,14 +67,6 @@ def _ask(address: Addr, message: Message, timeout: float) -> Message:
     with socket.create_connection(address, timeout=timeout) as conn:
         send_message(conn, message, timeout=timeout)
         return recv_message(conn, timeout=timeout)
-
-
-def shadow_status(address: Addr, timeout: float = 5.0) -> dict[str, Any]:
-    """One shadow's status document (docs/shadow.md)."""
-    reply = _ask(address, StatusRequest(), timeout)
-    if not isinstance(reply, StatusReport):
-        raise RestoreError(f"shadow at {address[0]}:{address[1]} answered {reply.TYPE} to a status request")
-    return reply.status
 
 
 def fetch_shard(
@@ -186,7 +176,7 @@ def fetch_state(addresses: Sequence[Addr], timeout: float = 10.0, job_id: int = 
         raise RestoreError("no shadow addresses")
     deadline = time.monotonic() + timeout
     with ThreadPoolExecutor(max_workers=len(addresses)) as pool:
-        statuses = list(pool.map(lambda a: shadow_status(a, timeout), addresses))
+        statuses = list(pool.map(lambda a: query_status(a, timeout), addresses))
         applied = [int(s["applied_iteration"]) for s in statuses]
         if min(applied) < 0:
             raise RestoreError(

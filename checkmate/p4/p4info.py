@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from google.protobuf import text_format
+from google.protobuf.message import DecodeError
 from p4.config.v1 import p4info_pb2
 
 from checkmate.p4.program import P4INFO_PATH
@@ -85,14 +86,20 @@ def preamble_alias(preamble: p4info_pb2.Preamble) -> str:
 
 
 def load_p4info(path: str | Path = P4INFO_PATH) -> p4info_pb2.P4Info:
-    """Parse a P4Info file: text format, or binary if it does not parse as text."""
+    """Parse a P4Info file: text format, or binary if it does not parse as text.
+
+    P4InfoError (naming the text parser's complaint) if it is neither; OSError if unreadable.
+    """
     data = Path(path).read_bytes()
     info = p4info_pb2.P4Info()
     try:
         text_format.Parse(data.decode(), info, allow_unknown_field=True)
-    except (UnicodeDecodeError, text_format.ParseError):
+    except (UnicodeDecodeError, text_format.ParseError) as text_error:
         info = p4info_pb2.P4Info()
-        info.ParseFromString(data)
+        try:
+            info.ParseFromString(data)
+        except DecodeError:
+            raise P4InfoError(f"{path} is not a P4Info text file ({text_error}) nor a binary one") from None
     return info
 
 

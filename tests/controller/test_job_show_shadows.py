@@ -20,15 +20,21 @@ from typing import Any
 
 import pytest
 
-from checkmate.control import DEFAULT_CONTROL_PORT, StatusReport, StatusRequest, recv_message, send_message
+from checkmate.control import (
+    DEFAULT_CONTROL_PORT,
+    ShadowStatusError,
+    StatusReport,
+    StatusRequest,
+    query_status,
+    recv_message,
+    send_message,
+)
 from checkmate.control_frame import bind
 from checkmate.job import JobSpec
 from controller.cli import main
 from controller.shadow_status import (
     SHADOW_CONTROL_PORT,
     ShadowStatus,
-    ShadowStatusError,
-    query_status,
     shadow_addresses,
     summary_line,
 )
