@@ -63,11 +63,10 @@ from checkmate.checkpoint.source import (
     StateSource,
 )
 from checkmate.job_state import persistent_buffers
+from checkmate.network import Addr
 from shadow.restore import ShadowMemory
 
 logger = logging.getLogger(__name__)
-
-Addr = tuple[str, int]
 
 SNAPSHOT_DIR_ENV = "CHECKMATE_SNAPSHOT_DIR"
 

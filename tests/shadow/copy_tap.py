@@ -16,9 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from checkmate.network import Addr
 from checkmate.wire import Flags, MessageType
-
-Addr = tuple[str, int]
 
 
 @dataclass(frozen=True)
