@@ -7,5 +7,7 @@ reconciles the switches with it. Modules are named after the P4 block they
 fill (``route_ipv4``, ``replication``, ``pre``, ``shadow_rewrite``);
 :class:`controller.controller.Controller` ties them together and
 ``checkmate-ctl`` (:mod:`controller.cli`) drives it. docs/controller.md
-describes what is written per job.
+describes what is written per job. P4Info names resolve to ids through
+:class:`checkmate.p4.p4info.P4InfoIndex` (shared with the embedded switch); the
+shadows' status comes from :func:`checkmate.control.query_status`.
 """
