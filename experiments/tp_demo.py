@@ -1,0 +1,309 @@
+"""``make demo DEMO_ARGS="--tp 2"``: a TP x DP job on the emulated switch, one Checkmate lane per TP index.
+
+The four workers h1-h4 train :mod:`examples.train_tp` (the tiny transformer under
+torch tensor parallelism, DDP over each TP index's DP group): rank r = dp_index * TP
++ tp_index runs in ``workers[r]``, so with TP=2 lane 0 is h1, h3 and lane 1 is h2, h4.
+Every lane is a job at the switch (``checkmate-ctl job add``, job id ``job_id + t``,
+its own shadows: sh1 for lane 0, sh2 for lane 1) whose tagged all-gather packets the
+switch copies to that lane's shadows; the TP collectives (gloo) and both rings cross
+the same emulated switch. Steps, with :class:`~experiments.job.JobRun`'s public ones:
+
+1. **network** (``prepare``, ``bring_up_network``);
+2. **lanes**: one job per lane with a shared secret (``--secret-file``), one job file
+   per lane (``job-file-tp<t>.json``, the job with its ``tp_degree``/``tp_index``);
+3. **shadows**: each lane's shadows in their hosts, snapshotting every iteration into
+   the lane's own directory (``snapshots/lane<t>``);
+4. **training**: ``JobRun.train`` with the workers' command and environment changed
+   through :attr:`~experiments.job.JobHooks.launch` (``CHECKMATE_TP_DEGREE``, the
+   lanes' job files); no failure is injected (a TP job's restart from its lanes is
+   not implemented);
+5. **verify**: per lane, the shadows' state (fetched from their memory inside a
+   worker host) against the digests of that lane's workers;
+6. **merge**: the lanes' latest common snapshot merged into one universal checkpoint
+   (:func:`~checkmate.universal.shadow_merge.merge_lane_snapshots`), loaded as TP=1
+   (its loss on a fixed batch against the TP job's) and back as TP=``--tp`` (each
+   lane's parameters against its workers' digest);
+7. **teardown**, always.
+
+Results: ``results/demo-tp.json`` (no plot).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import subprocess
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from checkmate.control import DEFAULT_CONTROL_PORT
+from checkmate.wire import CHECKMATE_UDP_PORT
+from experiments.commands import NET, REPO, JobError, secret_env
+from experiments.job import JobConfig, JobHooks, JobRun
+from experiments.launcher import LaunchConfig
+from experiments.progress import Observer
+from experiments.results import RunSeries
+from experiments.shadows import ShadowProcesses
+
+logger = logging.getLogger(__name__)
+
+TP_WORKERS = ("h1", "h2", "h3", "h4")
+
+
+@dataclass
+class Lane:
+    """One TP index's DP group: a job at the switch with its own shadows and snapshot directory."""
+
+    index: int
+    job_id: int
+    workers: tuple[str, ...]
+    shadows: tuple[str, ...]
+    job_file: Path
+    processes: ShadowProcesses
+
+
+class TpDemo:
+    """Runs the TP demo once on a :class:`JobRun`'s network; :meth:`run` always tears down."""
+
+    def __init__(self, config: JobConfig, tp: int, observer: Observer | None = None) -> None:
+        config = replace(
+            config,
+            workers=TP_WORKERS,
+            worker_module="examples.train_tp",
+            kill_iteration=None,
+            reference=False,
+        )
+        if tp < 2 or len(config.workers) % tp or len(config.shadows) % tp:
+            raise JobError(
+                f"--tp {tp}: needs 2 or more, dividing the {len(config.workers)} workers and "
+                f"{len(config.shadows)} shadows"
+            )
+        self.config = config
+        self.tp = tp
+        self.observer = observer or Observer()
+        self.job_run = JobRun(config, self.observer, JobHooks(launch=self._launch))
+        work = self.job_run.work
+        self.secret_file = work / "tp-secret.hex"
+        self.merged_dir = work / "merged"
+        self.lanes = [
+            Lane(
+                index=t,
+                job_id=config.job_id + t,
+                workers=config.workers[t::tp],
+                shadows=config.shadows[t::tp],
+                job_file=work / f"job-file-tp{t}.json",
+                processes=ShadowProcesses(
+                    replace(config, job_id=config.job_id + t, shadows=config.shadows[t::tp]),
+                    self.job_run.net_dir,
+                    self.job_run.snapshot_dir / f"lane{t}",
+                    self.job_run.log_dir,
+                    work / f"job-file-tp{t}.json",
+                    self.job_run.address,
+                    self.observer,
+                ),
+            )
+            for t in range(tp)
+        ]
+
+    # ---- the sequence ---------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        started = time.monotonic()
+        series = RunSeries("main")
+        summary: dict[str, Any] = {"tp": self.tp, "dp": len(self.config.workers) // self.tp}
+        try:
+            self.job_run.prepare()
+            self.job_run.bring_up_network()
+            self.add_lanes()
+            self.start_shadows()
+            self.job_run.train(series, None, with_shadows=True)
+            assert series.result is not None
+            done = series.result.done
+            summary["lanes"] = [self.verify_lane(lane, done) for lane in self.lanes]
+            summary.update(self.merge(done))
+        finally:
+            for lane in self.lanes:
+                if lane.processes:
+                    lane.processes.stop()
+            self.job_run.teardown()
+            summary["seconds"] = round(time.monotonic() - started, 1)
+        losses = series.mean_loss(0)
+        summary.update(
+            iterations=self.config.iterations,
+            workers=list(self.config.workers),
+            first_loss=round(losses[min(losses)], 4) if losses else None,
+            final_loss=round(losses[max(losses)], 4) if losses else None,
+        )
+        return summary
+
+    # ---- steps ----------------------------------------------------------------------------------
+    def add_lanes(self) -> None:
+        """One job per lane at the switch, sharing one secret (the workers' environment holds one)."""
+        self.observer.phase("job", len(self.lanes))
+        fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(secrets.token_hex(32))
+        secret = self.secret_file.read_text().strip()
+        for lane in self.lanes:
+            self.job_run.ctl(
+                "job", "add", "--job-id", str(lane.job_id), "--workers", ",".join(lane.workers),
+                "--shadows", ",".join(lane.shadows), "--secret-file", str(self.secret_file),
+            )  # fmt: skip
+            shown = json.loads(self.job_run.ctl("job", "show", str(lane.job_id), "--json").stdout)
+            job = {**shown["job"], "tp_degree": self.tp, "tp_index": lane.index}
+            document = {
+                "job": job,
+                "worker_addresses": [f"{self.job_run.address(w)}:{CHECKMATE_UDP_PORT}" for w in lane.workers],
+                "shadow_control": {
+                    s: f"{self.job_run.address(s)}:{DEFAULT_CONTROL_PORT}" for s in lane.shadows
+                },
+                "secret": secret,
+            }
+            fd = os.open(lane.job_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps(document, indent=1))
+            self.observer.advance("job", lane.index + 1, f"lane {lane.index}: job {lane.job_id}")
+        self.observer.phase_done(
+            "job",
+            "; ".join(f"lane {ln.index}: job {ln.job_id} {','.join(ln.workers)}" for ln in self.lanes),
+        )
+
+    def start_shadows(self) -> None:
+        self.observer.phase("shadows", len(self.config.shadows))
+        for lane in self.lanes:
+            for name in lane.shadows:
+                lane.processes.start(name)
+        for lane in self.lanes:
+            lane.processes.wait_ready(lane.shadows)
+        self.observer.phase_done(
+            "shadows", "; ".join(f"lane {ln.index}: {','.join(ln.shadows)}" for ln in self.lanes)
+        )
+
+    def _launch(self, launch: LaunchConfig) -> LaunchConfig:
+        """The workers run train_tp with every DP group a lane (one secret, their lane's job file)."""
+        config = self.config
+        command: tuple[str, ...] = (config.python, "-m", "examples.train_tp", "--tp", str(self.tp))
+        command += ("--iterations", str(config.iterations), "--log", str(launch.log_dir / "rank{rank}.jsonl"))
+        env = {
+            **launch.env,
+            "CHECKMATE_TP_DEGREE": str(self.tp),
+            "CHECKMATE_JOB_FILE": str(self.job_run.work / "job-file-tp{tp_index}.json"),
+            "CHECKMATE_JOB_SECRET": "",
+            "CHECKMATE_JOB_SECRET_FILE": str(self.secret_file),
+        }
+        return replace(launch, command=command, env=env, max_restarts=0)
+
+    def verify_lane(self, lane: Lane, done: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """Lane ``lane``'s shadows' final state (from their memory) against its workers' digests."""
+        config = self.config
+        out = self.job_run.work / f"shadow-digest-tp{lane.index}.json"
+        out.unlink(missing_ok=True)
+        argv = [config.python, "-m", "shadow.restore", "digest", "--iteration", str(config.iterations - 1)]
+        argv += ["--timeout", str(config.verify_timeout / 2), "--out", str(out)]
+        for name, address in lane.processes.control().items():
+            argv += ["--shadow", f"{name}={address}"]
+        try:
+            subprocess.run(
+                [*NET, "exec", "--run-dir", str(self.job_run.net_dir), lane.workers[0], "--", *argv],
+                env=secret_env(lane.job_file),
+                capture_output=True,
+                timeout=config.verify_timeout,
+                cwd=REPO,
+                check=False,
+            )
+            digest: dict[str, Any] = json.loads(out.read_text())
+        except (subprocess.TimeoutExpired, OSError, json.JSONDecodeError) as exc:
+            raise JobError(f"lane {lane.index}: the shadows' state could not be fetched: {exc}") from None
+        ranks = [r for r, record in done.items() if record.get("tp_index") == lane.index]
+        params = {done[r]["params_sha256"] for r in ranks}
+        optimizer = {done[r]["optimizer_sha256"] for r in ranks}
+        equal = bool(
+            digest.get("ok")
+            and len(params) == 1
+            and len(optimizer) == 1
+            and digest.get("params_sha256") in params
+            and digest.get("optimizer_sha256") in optimizer
+            and digest.get("iteration") == config.iterations - 1
+        )
+        shown = json.loads(self.job_run.ctl("job", "show", str(lane.job_id), "--json").stdout)
+        counters = shown.get("counters", {})
+        packets = sum(s.get("shadow_copies", {}).get("packets", 0) for s in counters.values())
+        self.observer.say(
+            f"lane {lane.index} (job {lane.job_id}, ranks {ranks}): shadows equal the workers: {equal}; "
+            f"the switch copied {packets} packets to its shadows"
+        )
+        return {
+            "tp_index": lane.index,
+            "job_id": lane.job_id,
+            "workers": list(lane.workers),
+            "shadows": list(lane.shadows),
+            "ranks": ranks,
+            "shadow_equals_workers": equal,
+            "shadow_copies_packets": packets,
+            "shadow_params_sha256": digest.get("params_sha256"),
+        }
+
+    def merge(self, done: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """The lanes' snapshots as one universal checkpoint, restored as TP=1 and back as TP=tp."""
+        import torch
+        import torch.nn.functional as F
+
+        from checkmate import checkpoint as fmt
+        from checkmate.checkpoint.digest import parameters_digest
+        from checkmate.universal.layout import Layout
+        from checkmate.universal.load import load_module, load_rank
+        from checkmate.universal.shadow_merge import lane_steps, merge_lane_snapshots
+        from checkmate.universal.tiny import TinyConfig, batch, build, logical_shapes, tiny_spec
+        from examples.train_tp import EVAL_STEP
+
+        self.observer.phase("merge", 1)
+        roots = [lane.processes.snapshot_dir for lane in self.lanes]
+        deadline = time.monotonic() + 30  # the shadows' last snapshot may still be on its way to disk
+        while self.config.iterations - 1 not in lane_steps(roots) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        config = TinyConfig()
+        step = merge_lane_snapshots(roots, self.merged_dir, tiny_spec(config), logical_shapes(config))
+        reader = fmt.CheckpointReader(self.merged_dir, step)
+        model = build(config, Layout(), 0)
+        load_module(reader, model, None, Layout(), 0)
+        with torch.no_grad():
+            tokens = batch(config, EVAL_STEP)
+            logits = model(tokens[:, :-1])
+            tp1_loss = float(F.cross_entropy(logits.reshape(-1, config.vocab), tokens[:, 1:].reshape(-1)))
+        tp_loss = float(done[0]["eval_loss"])
+        back = []
+        for lane in self.lanes:
+            state = load_rank(reader, Layout(tp=self.tp), lane.index)
+            ranks = [r for r, record in done.items() if record.get("tp_index") == lane.index]
+            back.append(parameters_digest(state.params) == done[ranks[0]]["params_sha256"])
+        info = (
+            f"step {step}: as TP=1 loss {tp1_loss:.6f} (TP={self.tp} job: {tp_loss:.6f}); "
+            f"back as TP={self.tp} bit-identical: {all(back)}"
+        )
+        self.observer.phase_done("merge", info)
+        return {
+            "merged_step": step,
+            "merged_dir": str(self.merged_dir),
+            "tp1_eval_loss": tp1_loss,
+            "tp_eval_loss": tp_loss,
+            "tp1_loss_relative_difference": abs(tp1_loss - tp_loss) / abs(tp_loss),
+            "back_to_tp_equals_workers": all(back),
+        }
+
+
+def run_tp_demo(config: JobConfig, tp: int, observer: Observer | None = None) -> tuple[dict[str, Any], bool]:
+    """Run it; (the summary, whether every check passed). Writes ``demo-tp.json`` to ``results_dir``."""
+    summary = TpDemo(config, tp, observer).run()
+    ok = (
+        all(lane["shadow_equals_workers"] for lane in summary.get("lanes", []))
+        and bool(summary.get("back_to_tp_equals_workers"))
+        and summary.get("tp1_loss_relative_difference", 1.0) < 1e-5
+    )
+    summary["ok"] = ok
+    if config.results_dir is not None:
+        config.results_dir.mkdir(parents=True, exist_ok=True)
+        (config.results_dir / "demo-tp.json").write_text(json.dumps(summary, indent=1))
+    return summary, ok
