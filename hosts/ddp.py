@@ -42,6 +42,12 @@ reduces gradients is one iteration (``no_sync`` micro-batches are not). An
 all-reduced iteration not followed by an optimizer step (a GradScaler skip)
 is committed with ``skip_step=True`` when the next one starts.
 
+Tensor parallelism (TP x DP): the agent's ring is the DDP model's process group. With
+``CHECKMATE_TP_DEGREE`` each TP index's DP group is a lane of its own (its job id, ring,
+rank 0 and shadows; :class:`~hosts.ddp_config.CheckmateConfig`), and
+:func:`hosts.ddp_tp.localize_tensor_parallel` makes a TP model's DTensor parameters
+DDP's (docs/checkpoint-format.md, "Checkmate for TP x DP jobs").
+
 How it is cut (each part a module, assembled into :class:`CheckmateAgent` here):
 
 * :mod:`hosts.ddp_config` - :class:`CheckmateConfig` and the job file; frozen values
@@ -55,6 +61,7 @@ How it is cut (each part a module, assembled into :class:`CheckmateAgent` here):
   commits, fingerprints, job state, job-file changes); training thread, from the step
   post-hook and the forward pre-hook; the control channel's per-link sender threads send
   what it queues under the channel's lock.
+* :mod:`hosts.ddp_tp` - DTensor parameters kept local for DDP (module hooks, training thread).
 
 This module only sets the parts up (rendezvous, transport, ring, control channel,
 hooks) and tears them down (:meth:`CheckmateAgent.close`, collective).
