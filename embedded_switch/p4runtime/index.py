@@ -72,6 +72,20 @@ class ProgramIndex(P4InfoIndex):
         return info
 
 
+def multicast_group_entry(
+    pre: p4runtime_pb2.PacketReplicationEngineEntry,
+) -> p4runtime_pb2.MulticastGroupEntry:
+    """The multicast group a replication-engine entity names; clone sessions are not supported."""
+    which = pre.WhichOneof("type")
+    if which == "clone_session_entry":
+        raise Failure(code_pb2.UNIMPLEMENTED, "clone sessions are not supported by this target")
+    if which is None:
+        raise Failure(
+            INVALID, "PacketReplicationEngineEntry has neither a multicast group nor a clone session"
+        )
+    return pre.multicast_group_entry
+
+
 def counter_index(info: CounterInfo, index: int) -> int:
     """``index`` if it is a cell of counter ``info``; INVALID_ARGUMENT otherwise."""
     if not 0 <= index < info.size:

@@ -26,6 +26,7 @@ from embedded_switch.p4runtime.index import (
     counter_index,
     describe_key,
     field_to_proto,
+    multicast_group_entry,
     translate_key,
 )
 from embedded_switch.state import TableEntry
@@ -134,15 +135,8 @@ def _read_counters(pipeline: Pipeline, ce: p4runtime_pb2.CounterEntry) -> list[p
 def _read_groups(
     pipeline: Pipeline, pre: p4runtime_pb2.PacketReplicationEngineEntry
 ) -> list[p4runtime_pb2.PacketReplicationEngineEntry]:
-    which = pre.WhichOneof("type")
-    if which == "clone_session_entry":
-        raise Failure(code_pb2.UNIMPLEMENTED, "clone sessions are not supported by this target")
-    if which is None:
-        raise Failure(
-            INVALID, "PacketReplicationEngineEntry has neither a multicast group nor a clone session"
-        )
     groups = pipeline.state.multicast_groups
-    gid = pre.multicast_group_entry.multicast_group_id
+    gid = multicast_group_entry(pre).multicast_group_id
     if gid == 0:
         wanted = sorted(groups)
     elif gid in groups:

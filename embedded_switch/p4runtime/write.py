@@ -36,7 +36,13 @@ from embedded_switch.p4runtime.errors import (
     code_name,
     decode_value,
 )
-from embedded_switch.p4runtime.index import counter_index, describe_key, translate_action, translate_key
+from embedded_switch.p4runtime.index import (
+    counter_index,
+    describe_key,
+    multicast_group_entry,
+    translate_action,
+    translate_key,
+)
 from embedded_switch.state import ActionCall, Replica, TableEntry
 
 logger = logging.getLogger(__name__)
@@ -237,14 +243,7 @@ def _write_default(pipeline: Pipeline, kind: int, info: TableInfo, te: p4runtime
 
 
 def _write_pre(batch: Batch, kind: int, pre: p4runtime_pb2.PacketReplicationEngineEntry) -> Undo:
-    which = pre.WhichOneof("type")
-    if which == "clone_session_entry":
-        raise Failure(code_pb2.UNIMPLEMENTED, "clone sessions are not supported by this target")
-    if which is None:
-        raise Failure(
-            INVALID, "PacketReplicationEngineEntry has neither a multicast group nor a clone session"
-        )
-    group = pre.multicast_group_entry
+    group = multicast_group_entry(pre)
     gid = group.multicast_group_id
     if gid == 0:
         raise Failure(INVALID, "multicast group id 0 is invalid")
