@@ -6,20 +6,15 @@ Serves the ``p4.v1.P4Runtime`` service (P4Runtime spec v1.3+, the protos of the
 Each concern has its own module under :mod:`embedded_switch.p4runtime`, and each part
 takes its own lock:
 
-==================  ==============================================  =========================
-part                what it serves                                  lock it takes
-==================  ==============================================  =========================
-``errors``          canonical errors, the Status trailer, bytestrings  none (pure)
-``index``           the P4Info by id; match keys and actions in/out    none (immutable, pure)
-``sessions``        StreamChannel sessions, arbitration per role      ``Arbiter.lock``
-``stream``          the StreamChannel RPC, PacketOut and PacketIn      ``Arbiter.lock`` (via the
-                                                                       arbiter), ``PacketIO.stats_lock``
-``config``          Set/GetForwardingPipelineConfig                    ``PipelineStore.lock``
-``write``           Write (CONTINUE_ON_ERROR, ROLLBACK_ON_ERROR,       ``SwitchState.write_lock``
-                    DATAPLANE_ATOMIC)                                  for the whole batch
-``read``            Read, with wildcards                               ``SwitchState.write_lock``
-                                                                       while collecting
-==================  ==============================================  =========================
+- ``errors``: canonical errors, the Status trailer, bytestrings. No lock (pure).
+- ``index``: the P4Info by id; match keys and actions in and out. No lock (immutable).
+- ``sessions``: StreamChannel sessions and arbitration per role. ``Arbiter.lock``.
+- ``stream``: the StreamChannel RPC, PacketOut and PacketIn. ``Arbiter.lock`` (through the
+  arbiter's methods) and ``PacketIO.stats_lock``, one after the other.
+- ``config``: Set/GetForwardingPipelineConfig. ``PipelineStore.lock``.
+- ``write``: Write (CONTINUE_ON_ERROR, ROLLBACK_ON_ERROR, DATAPLANE_ATOMIC).
+  ``SwitchState.write_lock`` for the whole batch.
+- ``read``: Read, with wildcards. ``SwitchState.write_lock`` while collecting.
 
 No two of these locks are ever held together; the data path takes none of them.
 
