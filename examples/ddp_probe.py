@@ -141,9 +141,7 @@ class AgentProbe:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m examples.ddp_probe", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m examples.ddp_probe", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for rank<RANK>.json")
     parser.add_argument("script", type=Path, help="the DDP script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")

@@ -14,5 +14,6 @@ nodes), :mod:`~topologies.network_runner` (the bring-up itself),
 :mod:`~topologies.supervisor` (the process that holds the network while
 ``up`` has returned), :mod:`~topologies.runstate` and :mod:`~topologies.cleanup`
 (what was created, and taking it away), :mod:`~topologies.cli`. The programs
-that run inside the hosts are in ``examples/``.
+that run inside the hosts are in ``examples/``; the jobs that use the network
+(``make demo``, ``make bench``, the launcher) are in ``experiments/``.
 """

@@ -1,10 +1,11 @@
 """An emulated network for host-side benchmarks: up beside other networks, one command per host, down.
 
-:class:`BenchNetwork` reuses the demo's bring-up (:class:`experiments.demo.DemoRun`) the way
-:mod:`experiments.bench.cli` does: a private copy of the topology with every switch renamed
-(``hb1``, ``hb2``, ... so that its port interfaces, which live in the root namespace, do not
-clash with another network built from the same description), its own run directory and
-controller state, the embedded switch target by default. No job is registered at the switch.
+:class:`BenchNetwork` reuses the demo's bring-up (the ``prepare``, ``bring_up_network`` and
+``teardown`` steps of :class:`experiments.job.JobRun`) the way :mod:`experiments.bench.run`
+does: a private copy of the topology with every switch renamed (``hb1``, ``hb2``, ... so
+that its port interfaces, which live in the root namespace, do not clash with another
+network built from the same description), its own run directory and controller state,
+the embedded switch target by default. No job is registered at the switch.
 
 :meth:`BenchNetwork.run_on_hosts` starts one command in each of several hosts' namespaces
 (``checkmate-net exec``, so ``checkmate-net down`` also sweeps anything left), waits for all of
@@ -27,8 +28,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from experiments.demo import NET, REPO, DemoConfig, DemoRun, Observer
+from experiments.commands import NET, REPO
+from experiments.job import JobConfig, JobRun
 from experiments.launcher import tail
+from experiments.progress import LogObserver
 from topologies.hosts import HOST_INTERFACE
 from topologies.runstate import RunState, RunStateError
 
@@ -41,16 +44,6 @@ POLL_INTERVAL_S = 0.1
 
 class HostCommandError(RuntimeError):
     """A command run in a host failed or did not finish in time; the message has its output."""
-
-
-class _LogObserver(Observer):
-    """The demo's progress reports, as log records."""
-
-    def phase_done(self, name: str, info: str = "") -> None:
-        logger.info("%s: %s", name, info)
-
-    def say(self, text: str) -> None:
-        logger.warning("%s", text)
 
 
 def switch_drops(log_file: Path) -> dict[str, int]:
@@ -79,7 +72,7 @@ def host_environment() -> dict[str, str]:
     }
 
 
-class BenchNetwork(DemoRun):
+class BenchNetwork:
     """One emulated network for a benchmark; use as a context manager (``close`` always runs)."""
 
     def __init__(
@@ -92,7 +85,7 @@ class BenchNetwork(DemoRun):
     ) -> None:
         switches = list(json.loads(topology.read_text()).get("switches", {}))
         renames = tuple((old, f"{switch_prefix}{i + 1}") for i, old in enumerate(switches))
-        config = DemoConfig(
+        config = JobConfig(
             kill_iteration=None,
             reference=False,
             topology=topology,
@@ -102,7 +95,10 @@ class BenchNetwork(DemoRun):
             results_dir=None,
             network_timeout=network_timeout,
         )
-        super().__init__(config, _LogObserver())
+        self.job = JobRun(config, LogObserver())
+        self.config = config
+        self.work = self.job.work
+        """The work folder (the network's run directory and controller state are in it)."""
         self.switch_logs: dict[str, Path] = {}
 
     def __enter__(self) -> BenchNetwork:
@@ -112,11 +108,11 @@ class BenchNetwork(DemoRun):
         self.close()
 
     def up(self) -> None:
-        """Bring the network up (DemoError on failure; :meth:`close` takes down what was made)."""
-        self._prepare()
-        self._network_up_step()
+        """Bring the network up (JobError on failure; :meth:`close` takes down what was made)."""
+        self.job.prepare()
+        self.job.bring_up_network()
         try:
-            state = RunState.load(self.net_dir)
+            state = RunState.load(self.job.net_dir)
         except RunStateError as exc:
             logger.warning("cannot read the network's run state: %s", exc)
             return
@@ -125,11 +121,11 @@ class BenchNetwork(DemoRun):
     @property
     def workers(self) -> list[str]:
         """The topology's worker hosts, in its order."""
-        assert self.network is not None, "up() first"
-        return self.network.hosts_with_role("worker")
+        assert self.job.network is not None, "up() first"
+        return self.job.network.hosts_with_role("worker")
 
     def address(self, host: str) -> str:
-        return self._address(host)
+        return self.job.address(host)
 
     def run_on_hosts(
         self,
@@ -153,7 +149,7 @@ class BenchNetwork(DemoRun):
                 output = open(log_dir / f"{host}.out", "wb")  # noqa: SIM115 - closed in the finally
                 try:
                     process = subprocess.Popen(
-                        [*NET, "exec", "--run-dir", str(self.net_dir), host, "--", *argv],
+                        [*NET, "exec", "--run-dir", str(self.job.net_dir), host, "--", *argv],
                         stdin=subprocess.DEVNULL,
                         stdout=output,
                         stderr=subprocess.STDOUT,
@@ -216,5 +212,5 @@ class BenchNetwork(DemoRun):
 
     def close(self) -> dict[str, dict[str, int]]:
         """Take the network down; each switch's drop counters (``REASON@PORT`` -> frames)."""
-        self._teardown()
+        self.job.teardown()
         return {name: switch_drops(path) for name, path in self.switch_logs.items()}

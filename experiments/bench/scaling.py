@@ -3,13 +3,13 @@
     python -m experiments.bench.scaling [--workers 2,3,4,5,6] [--workloads tinylm,medium,large-state]
 
 For each worker count and workload one partitioned benchmark run (``experiments.bench``'s
-:class:`~experiments.bench.cli.BenchRun`: its own network, the same CPU partition as
+:class:`~experiments.bench.run.BenchRun`: its own network, the same CPU partition as
 ``make bench``) of ``ideal-cm-transport`` and ``checkmate`` (``--systems`` to change),
 ``--rounds`` rounds each. Writes ``results/scaling.json`` and ``results/scaling.png``
 (mean iteration time per worker count, one line per workload and system; Checkmate's
 ratio to its same-transport ideal), each file written atomically; nothing is written
 when the run is interrupted. More than 4 workers use a copy of ``single.json`` with
-h5, h6 added (:func:`experiments.bench.cli.scaled_topology`).
+h5, h6 added (:func:`experiments.bench.run.scaled_topology`).
 
 Not measured here: the network's and the shadows' share of an iteration (the issue
 asks for them; they need a profile of the transport and the shadows, not these logs).
@@ -30,10 +30,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from experiments.bench import cli as bench
-from experiments.bench import partition as bench_partition
-from experiments.bench.cli import MAX_WORKERS, MIN_WORKERS, WORKLOADS, BenchConfig, BenchError, BenchRun
+from experiments.bench import partition
+from experiments.bench.config import MAX_WORKERS, MIN_WORKERS, WORKLOADS, BenchConfig, BenchError
 from experiments.bench.partition import PartitionError
+from experiments.bench.report import atomic_write_text
+from experiments.bench.run import BenchRun
+from experiments.commands import REPO, JobError
+from experiments.plots import save_atomically, scaling_plot
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ def plan_from(args: argparse.Namespace) -> list[BenchConfig]:
     if args.rounds < 1 or args.rounds > 100:
         raise BenchError("--rounds must be 1 to 100")
     try:
-        partition = bench_partition.make_partition(args.worker_cpus, args.infra_cpus)
+        cpus = partition.make_partition(args.worker_cpus, args.infra_cpus)
     except PartitionError as exc:
         raise BenchError(f"--worker-cpus/--infra-cpus: {exc}") from None
     plan = []
@@ -91,7 +94,7 @@ def plan_from(args: argparse.Namespace) -> list[BenchConfig]:
                 workers=count,
                 workload=name,
                 placement="partitioned",
-                partition=partition,
+                partition=cpus,
                 global_batch=workload.per_worker_batch * count,
                 model_args=workload.model_args,
                 rename_switches=(("s1", "bs1"),),
@@ -119,47 +122,6 @@ def rows_from(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def plot(rows: Sequence[Mapping[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_time, ax_ratio) = plt.subplots(1, 2, figsize=(12, 4.8))
-    keys = list(dict.fromkeys((r["workload"], r["system"]) for r in rows))
-    for workload, system in keys:
-        mine = sorted(
-            (r for r in rows if r["workload"] == workload and r["system"] == system),
-            key=lambda r: r["workers"],
-        )
-        style = "-" if system == "checkmate" else "--"
-        ax_time.plot(
-            [r["workers"] for r in mine],
-            [r["mean_iteration_ms"] for r in mine],
-            style,
-            marker="o",
-            label=f"{workload}: {system}",
-        )
-        if system == "checkmate":
-            ratios = [(r["workers"], r["ratio_to_ideal"]) for r in mine if r["ratio_to_ideal"] is not None]
-            if ratios:
-                ax_ratio.plot(*zip(*ratios, strict=True), marker="o", label=workload)
-    ax_time.set_xlabel("workers")
-    ax_time.set_ylabel("mean iteration time (ms)")
-    ax_time.set_yscale("log")
-    ax_time.grid(alpha=0.3)
-    ax_time.legend(fontsize=7)
-    ax_ratio.axhline(1.0, color="0.5", lw=0.8)
-    ax_ratio.set_xlabel("workers")
-    ax_ratio.set_ylabel("Checkmate / same-transport ideal (iterations/s)")
-    ax_ratio.grid(alpha=0.3)
-    ax_ratio.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def write(
     rows: list[dict[str, Any]], runs: list[dict[str, Any]], args: argparse.Namespace, seconds: float
 ) -> None:
@@ -170,14 +132,10 @@ def write(
         "seconds": round(seconds, 1),
         "not_measured": "the network's and the shadows' share of an iteration",
     }
-    bench.atomic_write_text(args.json, json.dumps(document, indent=2) + "\n")
-    temporary = args.png.with_name(f".{args.png.stem}.{os.getpid()}.tmp.png")
-    try:
-        load = runs[0]["machine"].get("load_average_at_start") if runs else None
-        plot(rows, temporary, f"scaling, partitioned CPUs, {len(runs)} run(s) (load average at start {load})")
-        os.replace(temporary, args.png)
-    finally:
-        temporary.unlink(missing_ok=True)
+    atomic_write_text(args.json, json.dumps(document, indent=2) + "\n")
+    load = runs[0]["machine"].get("load_average_at_start") if runs else None
+    title = f"scaling, partitioned CPUs, {len(runs)} run(s) (load average at start {load})"
+    save_atomically(lambda path: scaling_plot(rows, path, title), args.png)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker-cpus", default=None)
     parser.add_argument("--infra-cpus", default=None)
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/checkmate-bench-scaling"))
-    parser.add_argument("--json", type=Path, default=bench.REPO / "results" / "scaling.json")
-    parser.add_argument("--png", type=Path, default=bench.REPO / "results" / "scaling.png")
+    parser.add_argument("--json", type=Path, default=REPO / "results" / "scaling.json")
+    parser.add_argument("--png", type=Path, default=REPO / "results" / "scaling.png")
     return parser
 
 
@@ -211,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("bench_scaling: needs root (the emulated network)", file=sys.stderr)
         return 1
-    from experiments.demo import DemoError, RichObserver
+    from experiments.progress import RichObserver
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
@@ -229,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("bench_scaling: interrupted; the network taken down, nothing written", file=sys.stderr)
         return 130
-    except (DemoError, BenchError) as exc:
+    except (JobError, BenchError) as exc:
         print(f"bench_scaling: failed: {exc} (nothing written)", file=sys.stderr)
         return 1
     write(rows, runs, args, time.monotonic() - started)

@@ -1,9 +1,9 @@
 """A small real training job in the emulated network with faults injected, and the check that matters.
 
-:class:`FaultJob` is :class:`experiments.demo.DemoRun` (``make demo``: the
-``single`` topology on the embedded switch in Mininet, ``checkmate-ctl job
+:class:`FaultJob` runs :meth:`experiments.job.JobRun.run` (``make demo``'s steps:
+the ``single`` topology on the embedded switch in Mininet, ``checkmate-ctl job
 add``, ``checkmate-shadow`` in the shadow hosts, ``train_lm`` workers under the
-launcher, teardown always) with:
+launcher, teardown always) through its hooks, with:
 
 * the workers run :mod:`tests.reliability.fault_worker`: ``train_lm`` plus one
   line per iteration with the digests of their exact state after the step, and
@@ -48,21 +48,11 @@ from checkmate.checkpoint import (
     complete_steps,
 )
 from checkmate.checkpoint.digest import state_digests
-from checkmate.control import DEFAULT_CONTROL_PORT
-from checkmate.wire import CHECKMATE_UDP_PORT
-from experiments.demo import (
-    CTL,
-    NET,
-    REPO,
-    SHADOW_BOOT,
-    DemoConfig,
-    DemoError,
-    DemoResult,
-    DemoRun,
-    Observer,
-    _secret_env,
-)
+from experiments.commands import CTL, REPO
+from experiments.job import JobConfig, JobHooks, JobRun
 from experiments.launcher import LaunchConfig, tail
+from experiments.progress import Observer
+from experiments.results import JobResult
 from tests.topologies.harness import root_interfaces
 from topologies.runstate import RunState
 
@@ -190,26 +180,28 @@ class Verdict:
         return "; ".join(parts)
 
 
-class _ActionObserver(Observer):
-    """Fires the job's actions when rank 0 reaches their iteration (the first incarnation that does)."""
+class _EventLog(Observer):
+    """Keeps the lines the job run says (kills, failures, restarts) for the verdict."""
 
-    def __init__(self, job: FaultJob) -> None:
-        self.job = job
-
-    def advance(self, name: str, completed: int | None = None, info: str = "") -> None:
-        if name == "training" and completed is not None:
-            self.job.reached(completed)  # rank 0 logged iteration completed - 1
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
 
     def say(self, text: str) -> None:
-        self.job.events.append(text)
+        self.events.append(text)
 
 
-class FaultJob(DemoRun):
-    """One run of a small job with faults; :meth:`run_and_verify` is what a test calls."""
+class FaultJob:
+    """One run of a small job with faults; :meth:`run_and_verify` is what a test calls.
+
+    ``runner`` is the :class:`~experiments.job.JobRun` (``make demo``'s steps) the job runs
+    with; three of its hooks make it a fault job: ``launch`` (the fault worker, its
+    environment), ``iteration`` (fire the actions due at rank 0's iteration) and
+    ``before_verify`` (wait for the actions to finish before the shadows' final state is read).
+    """
 
     def __init__(self, config: FaultJobConfig) -> None:
         self.fault = config
-        demo = DemoConfig(
+        job = JobConfig(
             iterations=config.iterations,
             kill_iteration=config.kill_worker_at,
             kill_rank=config.kill_rank,
@@ -219,52 +211,31 @@ class FaultJob(DemoRun):
             model_args=SMALL_MODEL,
             topology=config.topology,
             rename_switches=(("s1", config.switch),),
+            switch_args=(f"{config.switch}={' '.join(config.switch_args)}",) if config.switch_args else (),
             work_dir=config.work_dir,
             results_dir=None,
+            snapshot_keep=100000,  # every snapshot step stays on disk, to be checked
+            shadow_start_timeout=90.0,
             train_timeout=config.train_timeout,
             max_restarts=config.max_restarts,
         )
         self.events: list[str] = []
-        super().__init__(demo, _ActionObserver(self))
-        self.digest_dir = self.work / "digests"
-        self.gate = self.work / "hold-workers"
+        hooks = JobHooks(launch=self._launch, iteration=self._on_iteration, before_verify=self.join_actions)
+        self.runner = JobRun(job, _EventLog(self.events), hooks)
+        self.config = job
+        self.digest_dir = self.runner.work / "digests"
+        self.gate = self.runner.work / "hold-workers"
         self._pending = sorted(config.actions, key=lambda a: a.iteration)
         self._threads: list[threading.Thread] = []
         self._errors: list[str] = []
         self._lock = threading.Lock()
-        self.shadow_hosts: dict[str, str] = {name: name for name in config.shadows}
-        """Shadow name (in the job) -> the host it runs in."""
-        self.shadow_names: list[str] = list(config.shadows)
         self.action_log: list[dict[str, Any]] = []
 
-    # ---- hooks into DemoRun -------------------------------------------------------------
-    def _prepare(self) -> None:
-        super()._prepare()
-        shutil.rmtree(self.digest_dir, ignore_errors=True)
-        self.gate.unlink(missing_ok=True)
-
-    def _network_up_step(self) -> None:
-        if not self.fault.switch_args:
-            super()._network_up_step()
-            return
-        argv = [*NET, "up", str(self.network_file), "--target", self.config.target]
-        argv += ["--run-dir", str(self.net_dir), "--state-dir", str(self.state_dir)]
-        argv += ["--timeout", str(self.config.network_timeout - 10)]
-        argv += [f"--switch-args={self.fault.switch}={' '.join(self.fault.switch_args)}"]
-        self._network_up = True
-        _run(argv, self.config.network_timeout, "checkmate-net up")
-
-    def _start_shadows(self) -> None:
-        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        for name in self.config.shadows:
-            self.start_shadow(name, name)
-        self.wait_shadows_ready(self.config.shadows)
-
-    def _launch_config(self, *args: Any, **kwargs: Any) -> LaunchConfig:
-        base: LaunchConfig = super()._launch_config(*args, **kwargs)
+    # ---- the JobRun hooks -------------------------------------------------------------------
+    def _launch(self, base: LaunchConfig) -> LaunchConfig:
+        """The fault worker instead of train_lm, with its digest log, gate and pace."""
         command = list(base.command)
-        command[command.index("examples.train_lm")] = "tests.reliability.fault_worker"
+        command[command.index(self.config.worker_module)] = "tests.reliability.fault_worker"
         self.digest_dir.mkdir(parents=True, exist_ok=True)
         env = {
             **base.env,
@@ -275,63 +246,9 @@ class FaultJob(DemoRun):
         }
         return replace(base, command=tuple(command), env=env)
 
-    def _verify(self) -> dict[str, Any]:
-        self.join_actions()
-        return super()._verify()
-
-    def _shadow_control(self) -> dict[str, str]:
-        return {s: f"{self._address(self.shadow_hosts[s])}:{DEFAULT_CONTROL_PORT}" for s in self.shadow_names}
-
-    # ---- shadows ----------------------------------------------------------------------------
-    def start_shadow(self, name: str, host: str, resume: bool = False) -> None:
-        ip = self._address(host)
-        argv = [
-            self.config.python,
-            "-c",
-            SHADOW_BOOT,
-            "run",
-            "--name",
-            name,
-            "--job-id",
-            str(self.config.job_id),
-        ]
-        argv += ["--control", f"{ip}:{DEFAULT_CONTROL_PORT}", "--data", f"{ip}:{CHECKMATE_UDP_PORT}"]
-        argv += ["--snapshot-dir", str(self.snapshot_dir), "--snapshot-every", "1", "--keep", "100000"]
-        if resume:
-            argv.append("--resume")
-        with open(self.log_dir / f"{name}.log", "ab") as out:
-            self._shadows[name] = subprocess.Popen(
-                [*NET, "exec", "--run-dir", str(self.net_dir), host, "--", *argv],
-                env=_secret_env(self.work / "job-file.json"),  # the job's secret, as make demo gives it
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                start_new_session=True,
-            )
-
-    def wait_shadows_ready(self, names: tuple[str, ...] | list[str], timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        ready: set[str] = set()
-        while len(ready) < len(names):
-            for name in names:
-                process = self._shadows[name]
-                if process.poll() is not None:
-                    raise DemoError(
-                        f"shadow {name} exited with status {process.returncode}:\n"
-                        + tail(self.log_dir / f"{name}.log")
-                    )
-                if self._status_file(name).get("state") == "waiting_for_job":
-                    ready.add(name)
-            if time.monotonic() > deadline:
-                raise DemoError(f"shadow(s) {sorted(set(names) - ready)} not ready within {timeout:.0f} s")
-            time.sleep(0.1)
-
-    def kill_shadow(self, name: str) -> int:
-        process = self._shadows[name]
-        process.send_signal(signal.SIGKILL)
-        process.wait(timeout=30)
-        return process.returncode
+    def _on_iteration(self, series: str, incarnation: int, record: dict[str, Any]) -> None:
+        if series == "main":
+            self.reached(int(record["iteration"]) + 1)  # rank 0 logged iteration completed - 1
 
     # ---- actions ----------------------------------------------------------------------------
     def reached(self, completed: int) -> None:
@@ -370,19 +287,21 @@ class FaultJob(DemoRun):
         self.gate.touch()
         try:
             began = time.time()
-            self.start_shadow(name, self.shadow_hosts[name], resume=True)
-            status = self.snapshot_dir / f"status-{name}.json"
+            self.runner.shadows.start(name, self.runner.shadows.hosts[name], resume=True)
+            status = self.runner.snapshot_dir / f"status-{name}.json"
             deadline = time.monotonic() + 90.0
-            while not (status.exists() and status.stat().st_mtime > began and self._status_file(name)):
-                if self._shadows[name].poll() is not None:
+            while not (
+                status.exists() and status.stat().st_mtime > began and self.runner.shadows.status(name)
+            ):
+                if self.runner.shadows.processes[name].poll() is not None:
                     raise FaultJobError(
-                        f"restarted shadow {name} exited: {tail(self.log_dir / f'{name}.log')}"
+                        f"restarted shadow {name} exited: {tail(self.runner.log_dir / f'{name}.log')}"
                     )
                 if time.monotonic() > deadline:
                     raise FaultJobError(f"restarted shadow {name} wrote no status within 90 s")
                 time.sleep(0.1)
             record["restarted_after_s"] = round(time.time() - began, 2)
-            record["resumed_from_snapshot"] = self._status_file(name).get("restored_from_snapshot")
+            record["resumed_from_snapshot"] = self.runner.shadows.status(name).get("restored_from_snapshot")
         finally:
             self.gate.unlink(missing_ok=True)
 
@@ -394,7 +313,7 @@ class FaultJob(DemoRun):
         self.gate.unlink(missing_ok=True)
 
     def _do_kill_shadow(self, action: Action, record: dict[str, Any]) -> None:
-        record["exit"] = self.kill_shadow(action.target)  # at once: the workers go on
+        record["exit"] = self.runner.shadows.kill(action.target)  # at once: the workers go on
         record["killed_at"] = time.time()
         time.sleep(action.delay)  # the workers go on without it meanwhile
         self.restart_shadow(action.target, record)
@@ -404,27 +323,31 @@ class FaultJob(DemoRun):
         deadline = time.monotonic() + 20.0
         hit = False
         while time.monotonic() < deadline:
-            if any(p.name.startswith(".") and ".tmp-" in p.name for p in self.snapshot_dir.glob("step-*/*")):
+            if any(
+                p.name.startswith(".") and ".tmp-" in p.name
+                for p in self.runner.snapshot_dir.glob("step-*/*")
+            ):
                 hit = True
                 break
             time.sleep(0.002)
         record["during_write"] = hit
-        record["exit"] = self.kill_shadow(action.target)
+        record["exit"] = self.runner.shadows.kill(action.target)
         record["partial_files"] = sorted(
-            str(p.relative_to(self.snapshot_dir)) for p in self.snapshot_dir.glob("step-*/.*.tmp-*")
+            str(p.relative_to(self.runner.snapshot_dir))
+            for p in self.runner.snapshot_dir.glob("step-*/.*.tmp-*")
         )
         time.sleep(action.delay)
         self.restart_shadow(action.target, record)
 
     def _do_kill_switch(self, action: Action, record: dict[str, Any]) -> None:
-        state = RunState.load(self.net_dir)
+        state = RunState.load(self.runner.net_dir)
         switch = state.switches[self.fault.switch]
         os.kill(switch.pid, signal.SIGKILL)
         record["pid"] = switch.pid
         record["killed_at"] = time.time()
         deadline = time.monotonic() + 60.0
         while time.monotonic() < deadline:
-            now = RunState.load(self.net_dir).switches[self.fault.switch]
+            now = RunState.load(self.runner.net_dir).switches[self.fault.switch]
             if now.pid != switch.pid:
                 record["restarted_pid"] = now.pid
                 record["restarted_after_s"] = round(time.time() - record["killed_at"], 2)
@@ -437,9 +360,9 @@ class FaultJob(DemoRun):
         it started (somewhere in its start, reconcile, registry write or switch writes), then run
         ``reconcile`` twice (the second must change nothing) and move the shard back where it was."""
         shard, to = action.args[0], action.target
-        shown = json.loads(self._ctl("job", "show", str(self.config.job_id), "--json").stdout)
+        shown = self.runner.show_job()
         home = shown["job"]["shard_to_shadow"][shard]
-        argv = [*CTL, "--network", str(self.network_file), "--state-dir", str(self.state_dir)]
+        argv = [*CTL, "--network", str(self.runner.network_file), "--state-dir", str(self.runner.state_dir)]
         argv += ["shadow", "move", "--job", str(self.config.job_id), "--shard", shard, "--to", to]
         process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         time.sleep(action.delay)
@@ -449,22 +372,24 @@ class FaultJob(DemoRun):
         record["killed"] = process.returncode == -signal.SIGKILL
         record["killed_at"] = time.time()
         record["ctl_output"] = output.decode(errors="replace").strip()[-200:]
-        first = self._ctl("reconcile", timeout=120).stdout.strip()
-        second = self._ctl("reconcile", timeout=120).stdout.strip()
+        first = self.runner.ctl("reconcile", timeout=120).stdout.strip()
+        second = self.runner.ctl("reconcile", timeout=120).stdout.strip()
         record["reconcile"] = [first[-200:], second[-200:]]
         if not second.startswith("in sync"):
             raise FaultJobError(
                 f"a second reconcile after the killed controller still changed entries: {second}"
             )
-        shown = json.loads(self._ctl("job", "show", str(self.config.job_id), "--json").stdout)
+        shown = self.runner.show_job()
         record["owner_after_kill"] = owner = shown["job"]["shard_to_shadow"][shard]
         if owner not in (home, to):
             raise FaultJobError(
                 f"after the killed move shard {shard} belongs to {owner}, neither {home} nor {to}"
             )
         if owner != home:
-            self._ctl("shadow", "move", "--job", str(self.config.job_id), "--shard", shard, "--to", home)
-        shown = json.loads(self._ctl("job", "show", str(self.config.job_id), "--json").stdout)
+            self.runner.ctl(
+                "shadow", "move", "--job", str(self.config.job_id), "--shard", shard, "--to", home
+            )
+        shown = self.runner.show_job()
         if shown["job"]["shard_to_shadow"][shard] != home:
             raise FaultJobError(f"shard {shard} could not be moved back to {home}: {shown['job']}")
         record["restored_at"] = time.time()
@@ -478,35 +403,38 @@ class FaultJob(DemoRun):
         record["held_at"] = time.time()
         try:
             shard, new = action.args[0], action.target
-            self.start_shadow(new, new, resume=False)
-            shown = json.loads(self._ctl("job", "show", str(self.config.job_id), "--json").stdout)
+            self.runner.shadows.start(new, new, resume=False)
+            shown = self.runner.show_job()
             record["from"] = shown["job"]["shard_to_shadow"].get(shard)
-            self.wait_shadows_ready([new])
-            moved = self._ctl(
+            self.runner.shadows.wait_ready([new])
+            moved = self.runner.ctl(
                 "shadow", "move", "--job", str(self.config.job_id), "--shard", shard, "--to", new
             )
             record["ctl"] = moved.stdout.strip()[-300:]
-            shown = json.loads(self._ctl("job", "show", str(self.config.job_id), "--json").stdout)
-            self.job = shown["job"]
-            self.shadow_hosts[new] = new
-            self.shadow_names = sorted(set(self._job_shadows()))
-            self._write_job_file(self.work / "job-file.json", with_shadows=True)
-            record["shadows_now"] = self.shadow_names
+            shown = self.runner.show_job()
+            self.runner.job = shown["job"]
+            hosts = {**self.runner.shadows.hosts, new: new}
+            # The job files and the final check now list the job's shadows: the new one, not the old.
+            self.runner.shadows.hosts = {name: hosts[name] for name in sorted(set(self._job_shadows()))}
+            self.runner.write_job_file(self.runner.work / "job-file.json", with_shadows=True)
+            record["shadows_now"] = list(self.runner.shadows.hosts)
             record["moved_at"] = time.time()
         finally:
             self.gate.unlink(missing_ok=True)
 
     def _job_shadows(self) -> list[str]:
-        assert self.job is not None
-        return [str(v) for v in self.job["shard_to_shadow"].values()]
+        assert self.runner.job is not None
+        return [str(v) for v in self.runner.job["shard_to_shadow"].values()]
 
     # ---- the check ---------------------------------------------------------------------------
-    def run_and_verify(self, recorder: Any = None) -> tuple[DemoResult, Verdict]:
+    def run_and_verify(self, recorder: Any = None) -> tuple[JobResult, Verdict]:
         """Run the job and compare every state (:meth:`verify`); ``recorder`` (the ``reliability``
         fixture) is told the comparisons, so a failing trial's row has them too."""
         before = root_interfaces()
+        shutil.rmtree(self.digest_dir, ignore_errors=True)
+        self.gate.unlink(missing_ok=True)
         try:
-            result = self.run()
+            result = self.runner.run()
         finally:
             self.join_actions(10.0)
             left = {i for i in root_interfaces() - before if i.startswith(f"{self.fault.switch}-")}
@@ -547,9 +475,9 @@ class FaultJob(DemoRun):
 
     def snapshot_digests(self) -> tuple[dict[int, tuple[str, str]], int]:
         digests: dict[int, tuple[str, str]] = {}
-        for step in complete_steps(self.snapshot_dir):
+        for step in complete_steps(self.runner.snapshot_dir):
             try:
-                reader = CheckpointReader(self.snapshot_dir, step)
+                reader = CheckpointReader(self.runner.snapshot_dir, step)
                 parameters = {name: reader.parameter(name) for name in reader.parameters}
                 states: dict[str, dict[str, Any]] = {
                     name: {s: reader.parameter(name, s) for s in reader.states_of(name) if s != PARAM_STATE}
@@ -564,10 +492,10 @@ class FaultJob(DemoRun):
                 if "step" not in state and step_count is not None:
                     state["step"] = float(step_count)
             digests[step] = state_digests(parameters, states)
-        steps = set(complete_steps(self.snapshot_dir))
+        steps = set(complete_steps(self.runner.snapshot_dir))
         partial = sum(
             1
-            for entry in self.snapshot_dir.iterdir()
+            for entry in self.runner.snapshot_dir.iterdir()
             if (match := STEP_DIR.match(entry.name)) and int(match.group(1)) not in steps
         )
         return digests, partial
@@ -576,7 +504,7 @@ class FaultJob(DemoRun):
         """From the switch's last ``final counts`` log line: ``tx`` per port and ``FAULT_INJECTION``
         drops per port (summed over the switch's lives when it was restarted: a killed one logs none)."""
         counts: dict[str, dict[int, int]] = {"tx": {}, "injected_drops": {}}
-        log = self.net_dir / "logs" / f"{self.fault.switch}.log"
+        log = self.runner.net_dir / "logs" / f"{self.fault.switch}.log"
         try:
             lines = [line for line in log.read_text(errors="replace").splitlines() if "final counts:" in line]
         except OSError:
@@ -588,11 +516,11 @@ class FaultJob(DemoRun):
                 counts["injected_drops"][int(port)] = counts["injected_drops"].get(int(port), 0) + int(n)
         return counts
 
-    def certified_seen(self, result: DemoResult) -> set[int]:
+    def certified_seen(self, result: JobResult) -> set[int]:
         """Iterations rank 0 heard every shadow certify (a value of its per-iteration ``certified``)."""
         return {int(c) for per in result.main.certified.values() for c in per.values() if c is not None}
 
-    def recovery_after(self, result: DemoResult, when: float, iteration: int) -> float | None:
+    def recovery_after(self, result: JobResult, when: float, iteration: int) -> float | None:
         """Seconds from ``when`` until rank 0 logged a certificate for ``iteration`` or later."""
         for incarnation, per in result.main.certified.items():
             times = result.main.times.get(incarnation, {})
@@ -602,7 +530,7 @@ class FaultJob(DemoRun):
                     return t - when
         return None
 
-    def verify(self, result: DemoResult) -> Verdict:
+    def verify(self, result: JobResult) -> Verdict:
         config = self.config
         verdict = Verdict(events=list(self.events))
         workers, restored, transport = self.worker_digests()
@@ -656,7 +584,7 @@ class FaultJob(DemoRun):
     def _finish(
         self,
         verdict: Verdict,
-        result: DemoResult,
+        result: JobResult,
         restored: list[dict[str, Any]],
         snapshots: dict[int, tuple[str, str]],
     ) -> Verdict:
@@ -691,16 +619,6 @@ class FaultJob(DemoRun):
             resyncs = status.get("resync_requests")
             verdict.resyncs += int(resyncs) if isinstance(resyncs, int) else 0
         return verdict
-
-
-def _run(argv: list[str], timeout: float, what: str) -> subprocess.CompletedProcess[str]:
-    try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False)
-    except subprocess.TimeoutExpired:
-        raise DemoError(f"{what}: did not finish within {timeout:.0f} s") from None
-    if result.returncode != 0:
-        raise DemoError(f"{what} failed ({result.returncode}):\n{(result.stderr or result.stdout).strip()}")
-    return result
 
 
 def seeded_iterations(seed: int, count: int, low: int, high: int) -> list[int]:

@@ -11,26 +11,25 @@ from typing import Any
 
 import pytest
 
-from experiments.bench.cli import (
-    TABLE_BEGIN,
-    TABLE_END,
-    BenchConfig,
-    BenchError,
-    BenchResult,
-    BenchRun,
+from experiments.bench.cli import build_parser, config_from
+from experiments.bench.config import BenchConfig, BenchError, systems_for
+from experiments.bench.figures import (
     LogFigures,
-    build_parser,
     certification_delays,
-    config_from,
     expected_repeated_iterations,
     figures,
     iteration_rate,
-    markdown_table,
     steady_times,
-    systems_for,
+)
+from experiments.bench.report import (
+    TABLE_BEGIN,
+    TABLE_END,
+    BenchResult,
+    markdown_table,
     update_docs_table,
     write_outputs,
 )
+from experiments.bench.run import BenchRun
 
 SYSTEMS = systems_for(10)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.bench.cli import BenchError
+from experiments.bench.config import BenchError
 from experiments.bench.scaling import build_parser, parse_workers, plan_from, rows_from, write
 
 

@@ -10,21 +10,12 @@ from typing import Any
 import pytest
 
 from experiments.bench import cli as bench
-from experiments.bench.cli import (
-    TABLE_BEGIN,
-    TABLE_END,
-    BenchConfig,
-    BenchError,
-    BenchResult,
-    LogFigures,
-    atomic_write_text,
-    build_parser,
-    frequency_targets,
-    plan_from,
-    scaled_topology,
-    write_suite,
-)
+from experiments.bench.cli import build_parser, plan_from
+from experiments.bench.config import BenchConfig, BenchError
+from experiments.bench.figures import LogFigures, frequency_targets
 from experiments.bench.partition import CpuPartition
+from experiments.bench.report import TABLE_BEGIN, TABLE_END, BenchResult, atomic_write_text, write_suite
+from experiments.bench.run import TOPOLOGY, scaled_topology
 from experiments.bench.sweep import (
     Point,
     SweepError,
@@ -34,6 +25,7 @@ from experiments.bench.sweep import (
     parse_k_list,
     smallest_k_from,
 )
+from experiments.commands import REPO
 
 
 # ---- the arithmetic -------------------------------------------------------------------------
@@ -212,7 +204,7 @@ def test_bad_options_exit_2_before_the_root_check(capsys: pytest.CaptureFixture[
 
 
 def test_scaled_topology_adds_workers_on_new_ports() -> None:
-    base = json.loads((bench.TOPOLOGY).read_text())
+    base = json.loads((TOPOLOGY).read_text())
     data = scaled_topology(base, 6)
     assert [h for h in data["hosts"] if data["hosts"][h]["role"] == "worker"] == [
         "h1",
@@ -330,7 +322,7 @@ def test_interrupted_benchmark_leaves_nothing_behind(tmp_path: Path) -> None:
     argv += ["--systems", "checkmate", "--iterations", "400", "--rounds", "1", "--sweep-k", "", "--no-docs"]
     argv += ["--work-dir", str(work), "--json", str(out / "bench.json"), "--png", str(out / "bench.png")]
     argv += ["--switch-name", "bi1"]
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=bench.REPO)
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     try:
         deadline = time.monotonic() + 180
         log = work / "logs" / "round1-checkmate" / "rank0.jsonl"

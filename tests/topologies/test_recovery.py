@@ -1,7 +1,7 @@
 """Issue 8's "Done when", end to end: kill a worker, resume from the shadows, lose at most one
 iteration, finish bit-identical to a run that never failed.
 
-Each test runs :class:`experiments.demo.DemoRun` (what ``make demo`` runs) with a
+Each test runs :class:`experiments.job.JobRun` (what ``make demo`` runs) with a
 small TinyLM and few iterations: ``single`` on the embedded target (its switch
 renamed so the test can run next to another network), a job with workers
 h1-h3 and shadows sh1, sh2, ``checkmate-shadow`` in both shadows,
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from experiments.demo import DemoConfig, DemoRun
+from experiments.job import JobConfig, JobRun
 from tests.topologies.harness import root_interfaces
 
 pytestmark = pytest.mark.root
@@ -28,9 +28,9 @@ ITERATIONS = 14
 KILL_DURING = 6
 
 
-def _run(tmp_path: Path, shadows_fail_too: bool, elastic: bool = False) -> tuple[dict[str, Any], DemoRun]:
+def _run(tmp_path: Path, shadows_fail_too: bool, elastic: bool = False) -> tuple[dict[str, Any], JobRun]:
     before = root_interfaces()
-    config = DemoConfig(
+    config = JobConfig(
         iterations=ITERATIONS,
         kill_iteration=KILL_DURING,
         kill_rank=1,
@@ -44,7 +44,7 @@ def _run(tmp_path: Path, shadows_fail_too: bool, elastic: bool = False) -> tuple
         rename_switches=(("s1", "rc1"),),
         train_timeout=240.0,
     )
-    demo = DemoRun(config)
+    demo = JobRun(config)
     result = demo.run()
     assert not {i for i in root_interfaces() - before if i.startswith("rc1-")}, "interfaces left behind"
     return result.summary(), demo

@@ -1,0 +1,240 @@
+"""One benchmark run: the demo's network, job and shadows, one training run per system and round.
+
+:class:`BenchRun` drives a :class:`~experiments.job.JobRun` step by step: the
+network up once (the topology with more workers when asked,
+:func:`scaled_topology`), then per round and system the job registered at the
+switch or removed (only ``checkmate`` has the switch copy), fresh shadows for
+the systems that have them, one training run into its own log folder, and the
+figures from rank 0's log (:func:`experiments.bench.figures.figures`). Two
+:class:`~experiments.job.JobHooks` do the rest: ``launch`` gives each run its
+system's train_lm options, environment and CPU pinning; ``iteration`` reads
+back, once past the warmup, which CPUs every process of the run may use
+(:mod:`experiments.bench.partition`). The network goes down at the end, also
+after a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from experiments.bench import partition
+from experiments.bench.config import BASELINE_KINDS, GLOO, BenchConfig, System, worker_names
+from experiments.bench.figures import LogFigures, figures, read_log
+from experiments.bench.report import BenchResult, atomic_write_text, machine_info
+from experiments.commands import REPO, JobError
+from experiments.job import JobConfig, JobHooks, JobRun
+from experiments.launcher import LaunchConfig
+from experiments.progress import Observer, PhaseRenamer
+from experiments.results import RunSeries
+from topologies.runstate import RunState, RunStateError
+
+logger = logging.getLogger(__name__)
+
+TOPOLOGY = REPO / "topologies" / "single.json"
+
+
+def scaled_topology(base: Mapping[str, Any], workers: int) -> dict[str, Any]:
+    """``base`` (single.json) with worker hosts added up to ``workers`` (h5, h6 on new switch ports)."""
+    data = json.loads(json.dumps(base))
+    hosts = data["hosts"]
+    switch = next(iter(data["switches"]))
+    used = [int(end.rsplit("-p", 1)[1]) for link in data["links"] for end in link[:2] if "-p" in str(end)]
+    port = max(used, default=0)
+    for i in range(1, workers + 1):
+        name = f"h{i}"
+        if name in hosts:
+            continue
+        hosts[name] = {"ip": f"10.0.1.{i}/8", "mac": f"08:00:00:00:01:{i:02x}", "role": "worker"}
+        port += 1
+        data["links"].append([name, f"{switch}-p{port}"])
+    return data
+
+
+class BenchRun:
+    """One (workload, placement) benchmark run; :meth:`run_all` runs every selected system per round."""
+
+    def __init__(self, config: BenchConfig, observer: Observer | None = None) -> None:
+        self.bench = config
+        self.renamer = PhaseRenamer(observer or Observer())
+        topology = TOPOLOGY
+        workers = worker_names(config.workers)
+        base = json.loads(TOPOLOGY.read_text())
+        if any(w not in base["hosts"] for w in workers):
+            topology = config.work_dir.resolve() / f"topology-{config.workers}-workers.json"
+            atomic_write_text(topology, json.dumps(scaled_topology(base, config.workers), indent=2))
+        job_config = JobConfig(
+            iterations=config.iterations,
+            kill_iteration=None,
+            reference=False,
+            workers=workers,
+            global_batch=config.global_batch,
+            model_args=config.model_args,
+            topology=topology,
+            rename_switches=config.rename_switches,
+            target=config.target,
+            work_dir=config.work_dir,
+            results_dir=None,
+            train_timeout=config.train_timeout,
+            max_restarts=0,
+        )
+        hooks = JobHooks(launch=self._launch, iteration=self._on_iteration)
+        self.job = JobRun(job_config, self.renamer, hooks)
+        self._system: System | None = None
+        self._log_dir = self.job.log_dir
+        self._job_at_switch = False
+        self._result: BenchResult | None = None
+        self._sampled = False
+
+    def run_all(self) -> BenchResult:
+        """Every selected system, ``rounds`` times (later rounds in alternating order); teardown always."""
+        started = time.monotonic()
+        result = BenchResult(self.bench, machine=machine_info())
+        self._result = result
+        systems = self.bench.selected()
+        pinned = self.bench.partition if self.bench.placement == "partitioned" else None
+        own_mask = partition.available_cpus()
+        try:
+            if pinned is not None:
+                # the supervisor, switch, host shells and shadows are started from here: they inherit it
+                partition.pin_process(0, pinned.infrastructure)
+            self.job.prepare()
+            self.job.bring_up_network()
+            self.job.add_job()
+            self._job_at_switch = True
+            for round_number in range(self.bench.rounds):
+                order = systems if round_number % 2 == 0 else list(reversed(systems))
+                for system in order:
+                    try:
+                        figs = self._run_system(system, round_number, result)
+                    except (JobError, ValueError) as exc:
+                        result.errors[f"{system.name} (round {round_number + 1})"] = str(exc)[:2000]
+                        self.renamer.say(f"{system.name} failed: {str(exc)[:300]}")
+                        continue
+                    result.runs.setdefault(system.name, []).append(figs)
+        finally:
+            self.job.teardown()
+            if pinned is not None:
+                partition.pin_process(0, own_mask)
+            result.machine["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+            result.seconds = time.monotonic() - started
+        return result
+
+    def _run_system(self, system: System, round_number: int, result: BenchResult) -> LogFigures:
+        job = self.job
+        self._system = system
+        self.renamer.current = f"{system.name} ({round_number + 1}/{self.bench.rounds})"
+        self._sampled = False
+        self._log_dir = job.log_dir / f"round{round_number + 1}-{system.name}"
+        shutil.rmtree(self._log_dir, ignore_errors=True)
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        if system.switch_replicates != self._job_at_switch:
+            if system.switch_replicates:
+                job.add_job()
+            else:
+                job.ctl("job", "remove", str(job.config.job_id))
+            self._job_at_switch = system.switch_replicates
+        if system.shadows:
+            shutil.rmtree(job.snapshot_dir, ignore_errors=True)
+            job.shadows.log_dir = self._log_dir
+            job.start_shadows()
+        series = RunSeries("main")
+        try:
+            job.train(series, None, system.shadows, log_dir=self._log_dir)
+            if system.switch_replicates:
+                result.switch_copies[system.name] = job.switch_counters().get("packets")
+        finally:
+            if job.shadows:
+                job.shadows.stop()
+        return figures(read_log(self._log_dir / "rank0.jsonl"), system, self.bench.warmup)
+
+    def _run_iterations(self, system: System) -> int:
+        """Iterations for ``system``: enough for at least 3 of its checkpoints after the warmup."""
+        every = system.every or 1
+        return max(self.bench.iterations, self.bench.warmup + 3 * every + 2)
+
+    # ---- the JobRun hooks -------------------------------------------------------------------
+    def _launch(self, launch: LaunchConfig) -> LaunchConfig:
+        """The demo's launch configuration plus this system's train_lm options and environment."""
+        system = self._system
+        if system is None:
+            return launch
+        extra: list[str] = []
+        env = dict(launch.env)
+        if system.transport == GLOO:
+            extra.append("--no-checkmate")
+        extra += ["--iterations", str(self._run_iterations(system))]  # the last --iterations counts
+        if system.checkpoint in BASELINE_KINDS:
+            assert system.every is not None
+            checkpoints = self.job.work / "checkpoints" / system.name
+            shutil.rmtree(checkpoints, ignore_errors=True)
+            extra += ["--checkpoint", system.checkpoint, "--checkpoint-every", str(system.every)]
+            extra += ["--checkpoint-dir", str(checkpoints)]
+        if system.checkpoint == "host-replication" or system.name == "ideal-cm-transport":
+            # host mode never tags; without shadows in the job file it copies nothing either
+            env["CHECKMATE_REPLICATION"] = "host"
+        command = (*launch.command, *extra)
+        if self.bench.placement == "partitioned" and self.bench.partition is not None:
+            command = (*partition.exec_prefix(self.bench.partition.workers, self.job.config.python), *command)
+        return replace(launch, command=command, env=env)
+
+    def _on_iteration(self, series: str, incarnation: int, record: dict[str, Any]) -> None:
+        """Once past the warmup, read back where every process of this run may run."""
+        if not self._sampled and int(record.get("iteration", -1)) >= self.bench.warmup:
+            self._sampled = True
+            try:
+                self._sample_placement()
+            except (OSError, ValueError) as exc:  # a process that ended while being read
+                logger.warning("reading back the CPU placement: %s", exc)
+
+    # ---- CPU placement ------------------------------------------------------------------------
+    def _placement_roles(self) -> dict[str, list[int]]:
+        """The pids of what runs now: workers, shadows, switch, supervisor (and host shells), this process."""
+        roles: dict[str, list[int]] = {
+            "workers": [],
+            "shadows": [],
+            "switch": [],
+            "supervisor": [],
+            "bench": [],
+        }
+        children = partition.children_map()
+        for rank in range(len(self.job.config.workers)):
+            for record in read_log(self._log_dir / f"rank{rank}.jsonl"):
+                if record.get("event") == "start" and isinstance(record.get("pid"), int):
+                    pid = int(record["pid"])
+                    roles["workers"] += [pid, *partition.descendants(pid, children)]
+                    break
+        for process in self.job.shadows.processes.values():
+            roles["shadows"] += [process.pid, *partition.descendants(process.pid, children)]
+        try:
+            state = RunState.load(self.job.net_dir)
+            roles["switch"] = [record.pid for record in state.switches.values()]
+            roles["supervisor"] = [state.supervisor_pid, *(h.pid for h in state.hosts.values())]
+        except RunStateError as exc:
+            logger.warning("no network state to read back the placement from: %s", exc)
+        roles["bench"] = [os.getpid()]
+        return roles
+
+    def _sample_placement(self) -> None:
+        result, system = self._result, self._system
+        if result is None or system is None or system.name in result.placement:
+            return
+        observed = partition.read_back(self._placement_roles())
+        result.placement[system.name] = observed
+        pinned = self.bench.partition
+        if self.bench.placement == "partitioned" and pinned is not None:
+            required = (
+                "workers",
+                "switch",
+                "supervisor",
+                "bench",
+                *(("shadows",) if self.job.shadows else ()),
+            )
+            problems = partition.check_placement(observed, pinned, required)
+            result.placement_problems += [f"{system.name}: {p}" for p in problems]
