@@ -1,4 +1,22 @@
 """Shadow nodes: reassemble copied gradients, apply the optimizer, checkpoint.
 
-(Filled by the shadow-node issue.)
+A shadow node (``checkmate-shadow run``, :mod:`shadow.cli`) is one
+:class:`shadow.node.ShadowNode`, assembled from one part per thread or request type
+over the state they share (:mod:`shadow.node_state`: config, records, counters):
+
+* :mod:`shadow.node_receive` - the receive thread: copies and repair answers placed
+  into the :class:`~shadow.iteration_window.IterationWindow` (or stashed until their
+  commit), with :mod:`shadow.reassembly` doing the byte placement;
+* :mod:`shadow.node_control` - the control port: rank 0's job_start, bucket_layout and
+  commits (new epochs, re-seeds), status and restore requests;
+* :mod:`shadow.node_apply` - the apply thread: :mod:`shadow.optimizer_apply` replays the
+  workers' optimizer; the fingerprint check, certification, snapshot offers;
+* :mod:`shadow.node_service` - resume from this shadow's snapshot, restore answers;
+* :mod:`shadow.node_maintenance` - repair requests (:mod:`shadow.repair`), the status
+  document and file.
+
+Around it: :mod:`shadow.snapshots` (the asynchronous disk tier), :mod:`shadow.restore`
+(the shadows' memory as a checkpoint state source), :mod:`shadow.cluster`
+(cluster-wide certification), :mod:`shadow.metrics` (Prometheus),
+:mod:`shadow.benchmark`. docs/shadow.md describes the behaviour.
 """

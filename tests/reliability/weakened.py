@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import checkmate.auth
-import shadow.node
+import shadow.node_receive
 from checkmate.auth import DATAGRAM_TAG_BYTES
 
 
@@ -26,5 +26,5 @@ def _open_unchecked(self: Any, datagram: memoryview) -> memoryview:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    shadow.node._from_worker = lambda job, addr: True  # type: ignore[assignment]
+    shadow.node_receive._from_worker = lambda job, addr: True  # type: ignore[assignment]
     checkmate.auth.DatagramAuth.open = _open_unchecked  # type: ignore[method-assign]
