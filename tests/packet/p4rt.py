@@ -1,6 +1,7 @@
 """A small P4Runtime client for packet tests that speaks only in P4Info names.
 
-Raw ``p4.v1`` stubs, no controller code: open a stream, win arbitration, delete
+Raw ``p4.v1`` stubs, no controller code (values in the shared canonical bytestring form,
+:mod:`checkmate.p4.bytestrings`): open a stream, win arbitration, delete
 the switch's multicast groups and push the pipeline, insert the entries and groups
 of tests/switch_cases.py, read counters. Every RPC carries a deadline.
 """
@@ -16,15 +17,11 @@ import grpc
 from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2, p4runtime_pb2_grpc
 
+from checkmate.p4.bytestrings import encode_bytestring
 from checkmate.p4.p4info import load_p4info
 from tests.switch_cases import Entry, Group
 
 RPC_TIMEOUT_S = 10.0
-
-
-def bytestring(value: int) -> bytes:
-    """P4Runtime's canonical (shortest) encoding."""
-    return value.to_bytes(max(1, (value.bit_length() + 7) // 8), "big")
 
 
 class P4RuntimeTestClient:
@@ -160,12 +157,12 @@ def table_entry(p4info: p4info_pb2.P4Info, entry: Entry) -> p4runtime_pb2.TableE
         value = entry.match[f.name]
         m = out.match.add(field_id=f.id)
         if isinstance(value, tuple):
-            m.lpm.value, m.lpm.prefix_len = bytestring(value[0]), value[1]
+            m.lpm.value, m.lpm.prefix_len = encode_bytestring(value[0]), value[1]
         else:
-            m.exact.value = bytestring(value)
+            m.exact.value = encode_bytestring(value)
     out.action.action.action_id = action.preamble.id
     for p in action.params:
-        out.action.action.params.add(param_id=p.id, value=bytestring(entry.params[p.name]))
+        out.action.action.params.add(param_id=p.id, value=encode_bytestring(entry.params[p.name]))
     return out
 
 
