@@ -66,7 +66,7 @@ import torch
 
 from checkmate.auth import DATAGRAM_TAG_BYTES
 from checkmate.tensors import payload_tensor, tensor_payload, wire_dtype
-from checkmate.wire import MAX_PAYLOAD_BYTES, CheckmateHeader, DType, Flags, MessageType
+from checkmate.wire import MAX_PAYLOAD_BYTES, CheckmateHeader, DType, Flags, MessageType, pack_data_header
 from hosts.transport import Addr, PeerTimeoutError, Transport
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,8 @@ logger = logging.getLogger(__name__)
 MAX_BUCKET_ID = (1 << 16) - 1
 MAX_ITERATION = (1 << 32) - 1
 _PAIR = struct.Struct("!II")
+_NONE, _REPLICATE, _LAST = int(Flags.NONE), int(Flags.REPLICATE), int(Flags.LAST)
+"""Flags as ints on the per-datagram path (an IntFlag operation costs about a microsecond)."""
 
 
 class ReduceOp(enum.Enum):
@@ -206,6 +208,8 @@ class _Op:
     """float32 numpy view of ``work`` (fast adds); None for 2-byte dtypes."""
     view: memoryview
     dtype: DType
+    dtype_value: int
+    """``int(dtype)``, compared per datagram."""
     grid: _Grid
     state: bytearray
     remaining: int
@@ -229,7 +233,7 @@ class RingAllReduce:
         self.prev_addr = config.workers[self.prev_rank]
         self._lock = threading.RLock()
         self._ops: dict[tuple[int, int], _Op] = {}
-        self._stash: dict[tuple[int, int], list[tuple[CheckmateHeader, bytes]]] = {}
+        self._stash: dict[tuple[int, int], list[tuple[tuple[int, ...], bytes]]] = {}
         self._stash_bytes = 0
         self._latest_iteration = -1
         self._released_through = -1
@@ -246,6 +250,7 @@ class RingAllReduce:
             on_data=self._on_data,
             on_request=self._on_repair_request,
             on_failure=self._on_peer_failure,
+            on_data_fields=self._on_fields,
         )
         self._watchdog = threading.Thread(target=self._watch, name=f"cm-ring-{self.rank}", daemon=True)
         self._watchdog.start()
@@ -281,6 +286,7 @@ class RingAllReduce:
             array=work.numpy() if dtype is DType.FP32 else None,
             view=tensor_payload(work),
             dtype=dtype,
+            dtype_value=int(dtype),
             grid=grid,
             state=bytearray(len(grid.offsets)),
             remaining=len(grid.offsets),
@@ -288,29 +294,38 @@ class RingAllReduce:
             deadline=time.monotonic() + self.config.timeout,
         )
         completed: list[_Op] = []
-        with self.transport.batch(), self._lock:  # the first sends leave in GSO runs once the lock is free
-            if self._failed is not None:
-                record.future.set_exception(self._failed)  # type: ignore[arg-type]
-                return record.future
-            key = (iteration, bucket_id)
-            if key in self._ops:
-                raise ValueError(f"bucket {bucket_id} of iteration {iteration} was already started")
-            self._ops[key] = record
-            if iteration > self._latest_iteration:
-                self._latest_iteration = iteration
-                self._release_locked(iteration - self.config.keep_iterations)
-            self._count("ops_started")
+        key = (iteration, bucket_id)
+        with self.transport.batch():  # the first sends leave in GSO runs at the end
+            with self._lock:
+                if self._failed is not None:
+                    record.future.set_exception(self._failed)  # type: ignore[arg-type]
+                    return record.future
+                if key in self._ops:
+                    raise ValueError(f"bucket {bucket_id} of iteration {iteration} was already started")
+                self._ops[key] = record
+                if iteration > self._latest_iteration:
+                    self._latest_iteration = iteration
+                    self._release_locked(iteration - self.config.keep_iterations)
+                self._count("ops_started")
+            # This rank's own chunk goes out without the lock, so the receive thread keeps
+            # reducing and forwarding meanwhile: its slots change state only when their
+            # all-gather comes back round the ring, which needs these sends first.
             try:
                 for slot in grid.chunk_slots[self.rank]:
-                    self._send(record, slot, Flags.NONE)
-                for header, payload in self._stash.pop(key, []):
-                    self._stash_bytes -= len(payload)
-                    self._apply(record, header, memoryview(payload), completed)
+                    self._send(record, slot, _NONE)
             except PeerTimeoutError as exc:
-                self._fail_all_locked(exc)
-            if record.remaining == 0 and not record.done:
-                record.done = True
-                completed.append(record)
+                with self._lock:
+                    self._fail_all_locked(exc)
+            with self._lock:
+                try:
+                    for fields, payload in self._stash.pop(key, []):
+                        self._stash_bytes -= len(payload)
+                        self._apply(record, fields, memoryview(payload), completed)
+                except PeerTimeoutError as exc:
+                    self._fail_all_locked(exc)
+                if record.remaining == 0 and not record.done and not record.failed:
+                    record.done = True
+                    completed.append(record)
         self._complete(completed)
         return record.future
 
@@ -366,70 +381,84 @@ class RingAllReduce:
         for key in [k for k in self._stash if k[0] <= through]:
             self._stash_bytes -= sum(len(p) for _, p in self._stash.pop(key))
 
-    def _header(
-        self, record: _Op, slot: int, kind: MessageType, flags: Flags, sequence: int = 0
-    ) -> CheckmateHeader:
-        grid = record.grid
-        if grid.last[slot]:
-            flags |= Flags.LAST
-        return CheckmateHeader(
-            msg_type=kind,
-            job_id=self.config.job_id,
-            iteration=record.iteration,
-            bucket_id=record.bucket_id,
-            sender_rank=self.rank,
-            element_offset=grid.offsets[slot],
-            element_count=grid.counts[slot],
-            sequence=sequence,
-            dtype=record.dtype,
-            flags=flags,
-            shard_key=record.shard_key,
-        )
-
-    def _send(self, record: _Op, slot: int, flags: Flags) -> None:
+    def _send(self, record: _Op, slot: int, flags: int) -> None:
         grid = record.grid
         size = record.dtype.itemsize
-        lo = grid.offsets[slot] * size
-        payload = record.view[lo : lo + grid.counts[slot] * size]
-        host_mode = bool(flags & Flags.REPLICATE) and self.config.host_replica is not None
-        wire_flags = flags & ~Flags.REPLICATE if host_mode else flags  # host mode: never tagged
-        header = self._header(record, slot, MessageType.DATA, wire_flags)
-        self.transport.send(self.next_addr, header, payload)
-        if host_mode:
+        offset, count = grid.offsets[slot], grid.counts[slot]
+        payload = record.view[offset * size : (offset + count) * size]
+        if grid.last[slot]:
+            flags |= _LAST
+        tagged = flags & _REPLICATE
+        host_mode = tagged and self.config.host_replica is not None
+        header = bytearray(32)
+        pack_data_header(
+            header,
+            flags & ~_REPLICATE if host_mode else flags,  # host mode: never tagged
+            record.dtype_value,
+            self.config.job_id,
+            record.iteration,
+            record.bucket_id,
+            self.rank,
+            record.shard_key,
+            offset,
+            count,
+        )
+        copy = bytes(header) if host_mode else b""  # before the transport numbers its own
+        self.transport.send_packed(self.next_addr, self.config.job_id, header, payload)
+        if host_mode:  # sent once more, like the switch's copy (the shadow repairs losses)
             assert self.config.host_replica is not None
             replica = self.config.host_replica(record.shard_key)
-            if replica is not None:  # sent once, like the switch's copy (the shadow repairs losses)
-                self.transport.send_unreliable(replica, header, payload)
+            if replica is not None:
+                self.transport.send_unreliable(replica, copy, payload)
                 self._count("host_copies")
-        if flags & Flags.REPLICATE:
-            tag = TagRecord(
-                record.iteration, record.bucket_id, grid.offsets[slot], grid.counts[slot], record.shard_key
-            )
+        if tagged:
+            tag = TagRecord(record.iteration, record.bucket_id, offset, count, record.shard_key)
             self.tag_log.append(tag)
             self._count("tagged_datagrams")
             if self.on_tag is not None:
                 self.on_tag(tag)
 
     def _on_data(self, header: CheckmateHeader, payload: memoryview, addr: Addr) -> None:
-        if header.sender_rank != self.prev_rank:
+        """DATA with a header object (the transport uses :meth:`_on_fields`; kept for direct callers)."""
+        fields = (
+            header.version,
+            int(header.msg_type),
+            int(header.flags),
+            int(header.dtype),
+            header.job_id,
+            header.iteration,
+            header.bucket_id,
+            header.sender_rank,
+            header.shard_key,
+            0,
+            header.element_offset,
+            header.element_count,
+            header.sequence,
+        )
+        self._on_fields(fields, payload, addr)
+
+    def _on_fields(self, fields: tuple[int, ...], payload: memoryview, addr: Addr) -> None:
+        """One DATA datagram, header as :func:`checkmate.wire.decode_data`'s ints (receive thread)."""
+        if fields[7] != self.prev_rank:
             self._drop("not_ring_predecessor")
             return
-        key = (header.iteration, header.bucket_id)
+        iteration = fields[5]
+        key = (iteration, fields[6])
         completed: list[_Op] = []
         with self._lock:
             record = self._ops.get(key)
             if record is None:
-                if header.iteration <= self._released_through:
+                if iteration <= self._released_through:
                     self._drop("stale_iteration")
                 elif (
                     self._latest_iteration >= 0
-                    and header.iteration > self._latest_iteration + self.config.future_iterations
+                    and iteration > self._latest_iteration + self.config.future_iterations
                 ):
                     self._drop("future_iteration")
                 elif self._stash_bytes + len(payload) > self.config.max_stash_bytes:
                     self._drop("stash_full")
                 else:
-                    self._stash.setdefault(key, []).append((header, bytes(payload)))
+                    self._stash.setdefault(key, []).append((fields, bytes(payload)))
                     self._stash_bytes += len(payload)
                     self._count("stashed")
                 return
@@ -437,33 +466,33 @@ class RingAllReduce:
                 self._drop("stale_iteration")
                 return
             try:
-                self._apply(record, header, payload, completed)
+                self._apply(record, fields, payload, completed)
             except PeerTimeoutError as exc:
                 self._fail_all_locked(exc)
         self._complete(completed)
 
-    def _apply(self, record: _Op, header: CheckmateHeader, payload: memoryview, completed: list[_Op]) -> None:
+    def _apply(self, record: _Op, fields: tuple[int, ...], payload: memoryview, completed: list[_Op]) -> None:
         """Reduce or store one datagram and forward it (lock held)."""
         grid = record.grid
-        slot = grid.slot_of.get(header.element_offset)
-        if slot is None or grid.counts[slot] != header.element_count:
+        lo = fields[10]
+        slot = grid.slot_of.get(lo)
+        if slot is None or grid.counts[slot] != fields[11]:
             self._drop("out_of_range")
             return
-        if header.dtype != record.dtype:
+        if fields[3] != record.dtype_value:
             self._drop("dtype_mismatch")
             return
         chunk = grid.chunk[slot]
         r, world = self.rank, self.world
         state = record.state[slot]
-        lo = grid.offsets[slot]
-        hi = lo + grid.counts[slot]
+        hi = lo + fields[11]
         if chunk == (r + 1) % world:  # last reduce-scatter step: this rank owns the chunk
             if state != 0:
                 self._drop("unexpected_slot")
                 return
             self._add(record, lo, hi, payload)
             self._finalize(record, slot, completed)
-            self._send(record, slot, Flags.REPLICATE)
+            self._send(record, slot, _REPLICATE)
         elif chunk == r or state == _RS_DONE:  # all-gather
             if (chunk == r and state != 0) or state == _FINAL:
                 self._drop("unexpected_slot")
@@ -471,11 +500,11 @@ class RingAllReduce:
             self._store(record, lo, hi, payload)
             self._finalize(record, slot, completed)
             if chunk != (r + 2) % world:
-                self._send(record, slot, Flags.NONE)
+                self._send(record, slot, _NONE)
         elif state == 0:  # reduce-scatter, not yet the owner
             self._add(record, lo, hi, payload)
             record.state[slot] = _RS_DONE
-            self._send(record, slot, Flags.NONE)
+            self._send(record, slot, _NONE)
         else:
             self._drop("unexpected_slot")
 

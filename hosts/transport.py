@@ -61,9 +61,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from checkmate.auth import DatagramAuth, datagram_job, needs_tag, secret_from_env
+from checkmate.network import Addr
 from checkmate.sockets import grow_buffer
 from checkmate.wire import (
     CHECKMATE_UDP_PORT,
@@ -76,15 +77,17 @@ from checkmate.wire import (
     WireFormatError,
     add_flags,
     decode,
+    decode_data,
     set_sequence,
 )
 from hosts.faults import FaultConfig, FaultInjector, SendAction
 
 logger = logging.getLogger(__name__)
 
-Addr = tuple[str, int]
 Buffer = bytes | bytearray | memoryview
 DataHandler = Callable[[CheckmateHeader, memoryview, Addr], None]
+DataFieldsHandler = Callable[[tuple[int, ...], memoryview, Addr], None]
+"""A DATA handler taking the header as :func:`checkmate.wire.decode_data`'s ints (no header object)."""
 FailureHandler = Callable[["PeerTimeoutError"], None]
 
 _DATA_TYPE = int(MessageType.DATA)
@@ -161,8 +164,6 @@ class TransportConfig:
 @dataclass
 class _Outstanding:
     seq: int
-    header: CheckmateHeader
-    """As the caller passed it: its ``sequence`` and RETRANSMIT flag are not the wire's (see header_bytes)."""
     header_bytes: bytearray
     """The bytes sent: ``header`` packed with ``seq`` (and RETRANSMIT once resent)."""
     payload: memoryview
@@ -212,6 +213,7 @@ class _Job:
     on_request: DataHandler | None
     on_failure: FailureHandler | None
     auth: DatagramAuth | None = None
+    on_data_fields: DataFieldsHandler | None = None
 
 
 def resolve(addr: tuple[str, int] | str, default_port: int = CHECKMATE_UDP_PORT) -> Addr:
@@ -265,7 +267,13 @@ class Transport:
             self._sock.setsockopt(_SOL_UDP, _UDP_GRO, 1)
             self._gro = True
         self._gso = config.gso
-        self._batches = threading.local()
+        self._batching = threading.local()
+        """``depth``: how deep this thread is in :meth:`batch` contexts."""
+        self._outgoing: list[tuple[Sequence[Buffer], Addr]] = []
+        """DATA datagrams numbered but not yet written, in sequence order (under ``_out_lock``)."""
+        self._out_lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        """Held while a batch is written, so that one written later never overtakes it."""
         self.address: Addr = self._sock.getsockname()
         rcvbuf = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
         self.advertised_window = max(8, min(config.window, rcvbuf // _DATAGRAM_TRUESIZE))
@@ -304,8 +312,12 @@ class Transport:
         on_request: DataHandler | None = None,
         on_failure: FailureHandler | None = None,
         secret: bytes | None = None,
+        on_data_fields: DataFieldsHandler | None = None,
     ) -> None:
         """Accept flows of ``job_id`` from ``peers`` (rank -> address); this side is ``rank``.
+
+        ``on_data_fields``: when given, DATA is delivered to it (header as ints, see
+        :func:`checkmate.wire.decode_data`) instead of to ``on_data`` -- the per-datagram fast path.
 
         ``secret``: the job's (None: this process's, :func:`checkmate.auth.secret_from_env`,
         which raises AuthConfigError when there is none).
@@ -322,6 +334,7 @@ class Transport:
                 on_request=on_request,
                 on_failure=on_failure,
                 auth=auth,
+                on_data_fields=on_data_fields,
             )
 
     def remove_job(self, job_id: int) -> None:
@@ -353,6 +366,11 @@ class Transport:
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counters[name] = self._counters.get(name, 0) + n
+
+    def _bump(self, name: str) -> None:
+        """:meth:`count` without the lock (for writers, which may not wait for it; a rare lost
+        increment is the price)."""
+        self._counters[name] = self._counters.get(name, 0) + 1
 
     def count_drop(self, reason: str) -> None:
         """Count a datagram dropped for ``reason`` (also used by the layers above)."""
@@ -386,24 +404,28 @@ class Transport:
     # ---- sending --------------------------------------------------------------------
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """Collect this thread's DATA datagrams and write them at the end (GSO runs where possible).
+        """Hold this thread's DATA datagrams and write them at the end (GSO runs where possible).
 
-        Nests; only the outermost exit writes. Call it outside any lock that the receive
-        thread takes, so that the writes do not hold it up.
+        Nests; the outermost exit writes. Held datagrams of every thread wait in one queue in
+        sequence order, and whoever writes takes the whole queue, so a flow's datagrams leave
+        in the order they were numbered (no reordering for the receiver to SACK).
         """
-        local = self._batches
+        local = self._batching
         depth = getattr(local, "depth", 0)
-        if depth == 0:
-            local.items = []
         local.depth = depth + 1
         try:
             yield
         finally:
             local.depth = depth
             if depth == 0:
-                items, local.items = local.items, None
-                if items:
-                    self._write_batch(items)
+                self._flush_outgoing()
+
+    def _flush_outgoing(self) -> None:
+        with self._write_lock:
+            with self._out_lock:
+                items, self._outgoing = self._outgoing, []
+            if items:
+                self._write_batch(items)
 
     def send(self, peer: Addr, header: CheckmateHeader, payload: Buffer = b"") -> None:
         """Queue one DATA datagram reliably to ``peer`` (never blocks).
@@ -412,21 +434,29 @@ class Transport:
         from the given memory, which must stay unchanged until acknowledged.
         Raises :class:`PeerTimeoutError` if the flow to ``peer`` has failed.
         """
+        self.send_packed(peer, header.job_id, bytearray(header.pack()), payload)
+
+    def send_packed(self, peer: Addr, job_id: int, header_bytes: bytearray, payload: Buffer = b"") -> None:
+        """:meth:`send` with the header already packed (:func:`checkmate.wire.pack_data_header`).
+
+        ``header_bytes`` is the transport's from now on: it writes the sequence and, on a
+        resend, the RETRANSMIT flag into it.
+        """
         if self._stop.is_set():
             raise TransportClosedError(f"transport {self.address} is closed")
         view = memoryview(payload).cast("B") if not isinstance(payload, memoryview) else payload
         if len(view) > MAX_PAYLOAD_BYTES:
             raise WireFormatError(f"payload of {len(view)} bytes exceeds {MAX_PAYLOAD_BYTES}")
         with self._lock:
-            job = self._jobs.get(header.job_id)
+            job = self._jobs.get(job_id)
             if job is None:
-                raise KeyError(f"job {header.job_id} is not registered with this transport")
-            key = (peer, header.job_id)
+                raise KeyError(f"job {job_id} is not registered with this transport")
+            key = (peer, job_id)
             flow = self._send_flows.get(key)
             if flow is None:
                 flow = _SendFlow(
                     peer=peer,
-                    job_id=header.job_id,
+                    job_id=job_id,
                     peer_rank=job.by_addr.get(peer),
                     rto=self.config.initial_rto,
                     peer_window=self.config.window,
@@ -438,17 +468,19 @@ class Transport:
             if seq > MAX_SEQUENCE:
                 raise OverflowError(f"flow to {peer} exhausted its 32-bit sequence space")
             flow.next_seq += 1
-            header_bytes = bytearray(header.pack())
             set_sequence(header_bytes, seq)
-            item = _Outstanding(seq=seq, header=header, header_bytes=header_bytes, payload=view)
+            item = _Outstanding(seq=seq, header_bytes=header_bytes, payload=view)
             if len(flow.unacked) < min(self.config.window, flow.peer_window) and not flow.pending:
                 self._transmit(flow, item, time.monotonic())
             else:
                 flow.pending.append(item)
 
-    def send_unreliable(self, addr: Addr, header: CheckmateHeader, payload: Buffer = b"") -> None:
-        """Send one datagram once, outside any flow (repair answers, NACKs of repair requests)."""
-        self._emit((header.pack(), payload), addr)
+    def send_unreliable(self, addr: Addr, header: CheckmateHeader | bytes, payload: Buffer = b"") -> None:
+        """Send one datagram once, outside any flow (repair answers, NACKs of repair requests).
+
+        ``header``: a header, or its 32 packed bytes.
+        """
+        self._emit((header if isinstance(header, bytes) else header.pack(), payload), addr)
         self.count("unreliable_sent")
 
     def _transmit(self, flow: _SendFlow, item: _Outstanding, now: float) -> None:
@@ -460,7 +492,7 @@ class Transport:
         self._emit((item.header_bytes, item.payload), flow.peer)
         self._counters["data_sent"] = self._counters.get("data_sent", 0) + 1
         if self.tap is not None:
-            self.tap(replace(item.header, sequence=item.seq), flow.peer, False)
+            self.tap(decode(bytes(item.header_bytes) + bytes(item.payload))[0], flow.peer, False)
 
     def _retransmit(self, flow: _SendFlow, item: _Outstanding, now: float, why: str) -> None:
         """Resend ``item`` with RETRANSMIT added to its flags (lock held)."""
@@ -474,8 +506,7 @@ class Transport:
         name = f"retransmit.{why}"
         self._counters[name] = self._counters.get(name, 0) + 1
         if self.tap is not None:
-            resent = replace(item.header, sequence=item.seq, flags=item.header.flags | Flags.RETRANSMIT)
-            self.tap(resent, flow.peer, True)
+            self.tap(decode(bytes(item.header_bytes) + bytes(item.payload))[0], flow.peer, True)
 
     def _fill_window(self, flow: _SendFlow, now: float) -> None:
         limit = min(self.config.window, flow.peer_window)
@@ -511,14 +542,14 @@ class Transport:
             self._sendmsg(held[0], held[1])
 
     def _sendmsg(self, parts: Sequence[Buffer], addr: Addr) -> None:
-        items = getattr(self._batches, "items", None)
-        if items is not None and parts[0][1] == _DATA_TYPE:
-            items.append((parts, addr))
-            if len(items) >= _BATCH_FLUSH:
-                self._batches.items = []
-                self._write_batch(items)
+        if parts[0][1] != _DATA_TYPE:  # control datagrams: at once (their order does not matter)
+            self._write(parts, addr)
             return
-        self._write(parts, addr)
+        with self._out_lock:
+            self._outgoing.append((parts, addr))
+            held = len(self._outgoing)
+        if held >= _BATCH_FLUSH or not getattr(self._batching, "depth", 0):
+            self._flush_outgoing()  # behind whatever other threads hold, never before it
 
     def _write_batch(self, items: list[tuple[Sequence[Buffer], Addr]]) -> None:
         """Write collected datagrams: per address in order, runs of one size as one GSO write."""
@@ -581,7 +612,7 @@ class Transport:
                 if deadline is None:
                     deadline = now + self.config.send_block_timeout
                 elif now >= deadline:
-                    self.count("send_blocked")
+                    self._bump("send_blocked")
                     return False
                 select.select([], [self._sock], [], deadline - now)
             except OSError as exc:
@@ -602,9 +633,9 @@ class Transport:
                         addr,
                         exc,
                     )
-                    self.count("gso_refused")
+                    self._bump("gso_refused")
                     return False
-                self.count("send_error")
+                self._bump("send_error")
                 logger.debug("sendmsg to %s failed: %s", addr, exc)
                 return False
 
@@ -669,6 +700,28 @@ class Transport:
                 self.count_drop("unauthenticated")
                 return
             data = opened
+        elif (
+            len(data) > 1 and data[1] == _DATA_TYPE
+        ):  # the per-datagram path: no header object unless a handler wants one
+            try:
+                fields, payload = decode_data(data)
+            except WireFormatError as exc:
+                self.count_drop("malformed")
+                logger.debug("malformed datagram from %s: %s", addr, exc)
+                return
+            job = self._jobs.get(fields[4])
+            if job is None:
+                self.count_drop("unknown_job")
+                return
+            if job.peers.get(fields[7]) != addr:
+                self.count_drop("unknown_rank")
+                return
+            if self._accept_data(fields[4], fields[12], addr):
+                if job.on_data_fields is not None:
+                    job.on_data_fields(fields, payload, addr)
+                else:
+                    job.on_data(decode(data)[0], payload, addr)
+            return
         try:
             header, payload = decode(data)
         except WireFormatError as exc:
@@ -692,22 +745,18 @@ class Transport:
         if job.peers.get(header.sender_rank) != addr:
             self.count_drop("unknown_rank")
             return
-        if kind is MessageType.DATA:
-            if self._accept_data(header, addr):
-                job.on_data(header, payload, addr)
-        elif kind is MessageType.ACK:
+        if kind is MessageType.ACK:
             self._on_ack(header, payload, addr, nack=False)
         else:
             self._on_ack(header, payload, addr, nack=True)
 
-    def _accept_data(self, header: CheckmateHeader, addr: Addr) -> bool:
+    def _accept_data(self, job_id: int, seq: int, addr: Addr) -> bool:
         """Flow bookkeeping for one DATA datagram; False for a duplicate or out-of-window one."""
-        key = (addr, header.job_id)
-        seq = header.sequence
+        key = (addr, job_id)
         with self._lock:
             flow = self._recv_flows.get(key)
             if flow is None:
-                flow = self._recv_flows[key] = _RecvFlow(peer=addr, job_id=header.job_id)
+                flow = self._recv_flows[key] = _RecvFlow(peer=addr, job_id=job_id)
             self._dirty.add(key)
             if seq < flow.cum or seq in flow.ooo:
                 flow.ack_due = True

@@ -174,3 +174,28 @@ def test_dead_peer_raises_peer_timeout_naming_it() -> None:
         assert "rank 1 at 127.0.0.11:48879" in str(failures[0])
         with pytest.raises(PeerTimeoutError):
             a.send(B, _header(0, 4), bytes(16))
+
+
+def test_the_receive_fast_path_reads_and_refuses_exactly_what_decode_does() -> None:
+    """checkmate.wire.decode_data / pack_data_header (the transport's per-datagram path) agree with decode."""
+    from checkmate.wire import WireFormatError, decode, decode_data, pack_data_header
+
+    header = _header(4470, 3, Flags.REPLICATE | Flags.LAST, rank=2)
+    good = encode(header, np.arange(3, dtype=np.float32).tobytes())
+    packed = bytearray(32)
+    pack_data_header(packed, 0x05, 1, JOB, 3, 1, 2, 0, 4470, 3)
+    assert bytes(packed) == header.pack()
+    fields, payload = decode_data(memoryview(good))
+    full, full_payload = decode(good)
+    assert fields == (1, 1, 0x05, 1, JOB, 3, 1, 2, 0, 0, 4470, 3, 0)
+    assert bytes(payload) == bytes(full_payload) and full.element_offset == fields[10]
+    bad_version, bad_flags, bad_reserved = bytearray(good), bytearray(good), bytearray(good)
+    bad_version[0], bad_flags[2], bad_reserved[19] = 9, 0x80, 1
+    ack = CheckmateHeader(MessageType.ACK, JOB, 0, 0, 0, 0, 0, 0, dtype=DType.NONE).pack()
+    for bad in (good[:20], good + b"\0", bytes(bad_version), bytes(bad_flags), bytes(bad_reserved), ack):
+        with pytest.raises(WireFormatError):
+            decode_data(memoryview(bad))
+    with pytest.raises(WireFormatError):
+        pack_data_header(bytearray(32), 0x80, 1, JOB, 0, 0, 0, 0, 0, 0)
+    with pytest.raises(WireFormatError):
+        pack_data_header(bytearray(32), 0, 1, JOB, 0, 1 << 16, 0, 0, 0, 0)
