@@ -1,7 +1,7 @@
 """The launcher's restart logic, without a network: hosts are faked by a local exec.
 
 ``checkmate-net exec --run-dir DIR HOST -- CMD`` is replaced by a command that
-runs ``CMD`` here; the workers are :mod:`tests.topologies.fake_worker`.
+runs ``CMD`` here; the workers are :mod:`tests.experiments.fake_worker`.
 """
 
 from __future__ import annotations
