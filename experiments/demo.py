@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work-dir", type=Path, default=defaults.work_dir)
     parser.add_argument("--results", type=Path, default=defaults.results_dir)
     parser.add_argument("--target", choices=["embedded", "bmv2"], default=defaults.target)
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree: >1 runs a TP x DP job on h1-h4, one Checkmate lane (job, shadow) per "
+        "TP index, and merges the lanes' snapshots (experiments/tp_demo.py; no failure injected)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens")
     return parser
 
@@ -128,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.kill_iteration is not None and not 1 <= config.kill_iteration < config.iterations:
         console.print(f"[red]--kill-at must lie in 1..{config.iterations - 1}")
         return 2
+    if args.tp > 1:  # TP x DP: one Checkmate lane per TP index (experiments/tp_demo.py)
+        from experiments.tp_demo import tp_main
+
+        return tp_main(console, config, args.tp)
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt

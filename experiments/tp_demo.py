@@ -217,7 +217,7 @@ class TpDemo:
             digest: dict[str, Any] = json.loads(out.read_text())
         except (subprocess.TimeoutExpired, OSError, json.JSONDecodeError) as exc:
             raise JobError(f"lane {lane.index}: the shadows' state could not be fetched: {exc}") from None
-        ranks = [r for r, record in done.items() if record.get("tp_index") == lane.index]
+        ranks = sorted(r for r, record in done.items() if record.get("tp_index") == lane.index)
         params = {done[r]["params_sha256"] for r in ranks}
         optimizer = {done[r]["optimizer_sha256"] for r in ranks}
         equal = bool(
@@ -277,7 +277,7 @@ class TpDemo:
         back = []
         for lane in self.lanes:
             state = load_rank(reader, Layout(tp=self.tp), lane.index)
-            ranks = [r for r, record in done.items() if record.get("tp_index") == lane.index]
+            ranks = sorted(r for r, record in done.items() if record.get("tp_index") == lane.index)
             back.append(parameters_digest(state.params) == done[ranks[0]]["params_sha256"])
         info = (
             f"step {step}: as TP=1 loss {tp1_loss:.6f} (TP={self.tp} job: {tp_loss:.6f}); "
@@ -307,3 +307,44 @@ def run_tp_demo(config: JobConfig, tp: int, observer: Observer | None = None) ->
         config.results_dir.mkdir(parents=True, exist_ok=True)
         (config.results_dir / "demo-tp.json").write_text(json.dumps(summary, indent=1))
     return summary, ok
+
+
+def tp_main(console: Any, config: JobConfig, tp: int) -> int:
+    """``python -m experiments.demo --tp N``: run it with the progress display; 0 when every check passed."""
+    import signal
+    from types import FrameType
+
+    from experiments.progress import RichObserver
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    console.print(
+        f"[bold]Checkmate TP demo[/]: TP={tp} x DP={len(TP_WORKERS) // tp} on {', '.join(TP_WORKERS)}, "
+        f"one lane (job, shadows) per TP index on one emulated P4 switch; no failure."
+    )
+    try:
+        with RichObserver() as observer:
+            summary, ok = run_tp_demo(config, tp, observer)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]: workers and shadows stopped, the network taken down.")
+        return 130
+    except (JobError, ValueError) as exc:
+        console.print(f"[red]demo failed[/]: {exc}")
+        console.print(f"everything the demo started was stopped; its logs are in {config.work_dir}")
+        return 1
+    for lane in summary["lanes"]:
+        console.print(
+            f"lane {lane['tp_index']} (job {lane['job_id']}, {', '.join(lane['workers'])} -> "
+            f"{', '.join(lane['shadows'])}): shadows equal workers {lane['shadow_equals_workers']}, "
+            f"{lane['shadow_copies_packets']} copies"
+        )
+    console.print(
+        f"merged step {summary['merged_step']}: TP=1 loss {summary['tp1_eval_loss']:.6f} vs TP={tp} "
+        f"{summary['tp_eval_loss']:.6f}; back as TP={tp} equal to the workers: "
+        f"{summary['back_to_tp_equals_workers']}"
+    )
+    if config.results_dir is not None:
+        console.print(f"results: {config.results_dir / 'demo-tp.json'}")
+    return 0 if ok else 1
