@@ -128,15 +128,17 @@ WORKLOADS = {
 }  # fmt: skip
 PLACEMENTS = ("partitioned", "colocated")
 MIN_WORKERS, MAX_WORKERS = 2, 6
-TOPOLOGY = REPO / "topologies" / "single.json"
 
 
 def worker_names(count: int) -> tuple[str, ...]:
+    """The worker hosts of a run with ``count`` workers: h1, h2, ..."""
     return tuple(f"h{i}" for i in range(1, count + 1))
 
 
 @dataclass(frozen=True)
 class BenchConfig:
+    """One benchmark run: a workload in a placement, the systems to run on it, where results go."""
+
     iterations: int = 150
     warmup: int = 5
     k: int = 10
