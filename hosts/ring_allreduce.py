@@ -206,6 +206,11 @@ class _Op:
     work: torch.Tensor
     array: np.ndarray | None
     """float32 numpy view of ``work`` (fast adds); None for 2-byte dtypes."""
+    source: np.ndarray | None
+    """The caller's input (fp32 SUM on CPU): reduce-scatter adds read it and write ``work``; None:
+    ``work`` started as a copy of the input."""
+    source_view: memoryview
+    """What this rank's own chunk is first sent from: the input's bytes, or ``work``'s."""
     view: memoryview
     dtype: DType
     dtype_value: int
@@ -271,20 +276,31 @@ class RingAllReduce:
             raise ValueError(f"iteration {iteration} is outside 0..{MAX_ITERATION}")
         dtype = wire_dtype(tensor.dtype)
         flat = tensor.detach().reshape(-1)
+        source: torch.Tensor | None = None
         if flat.device.type != "cpu":
             flat = flat.to("cpu")  # through host memory; a fresh tensor
             work = flat.div_(self.world) if op is ReduceOp.AVG else flat
+        elif op is ReduceOp.AVG:
+            work = torch.div(flat, self.world)
+        elif dtype is DType.FP32:
+            # SUM: no copy of the input. This rank's chunk is sent from it, and every other slot
+            # of the result is written once from it (input + arriving partial sum) or stored.
+            source = flat.contiguous()
+            work = torch.empty_like(source)
         else:
-            work = torch.div(flat, self.world) if op is ReduceOp.AVG else flat.clone()
+            work = flat.clone()
         work = work.contiguous()
         per = MAX_PAYLOAD_BYTES // dtype.itemsize
         grid = slot_grid(work.numel(), self.world, per)
+        view = tensor_payload(work)
         record = _Op(
             iteration=iteration,
             bucket_id=bucket_id,
             work=work,
             array=work.numpy() if dtype is DType.FP32 else None,
-            view=tensor_payload(work),
+            source=source.numpy() if source is not None else None,
+            source_view=tensor_payload(source) if source is not None else view,
+            view=view,
             dtype=dtype,
             dtype_value=int(dtype),
             grid=grid,
@@ -312,7 +328,7 @@ class RingAllReduce:
             # all-gather comes back round the ring, which needs these sends first.
             try:
                 for slot in grid.chunk_slots[self.rank]:
-                    self._send(record, slot, _NONE)
+                    self._send(record, slot, _NONE, record.source_view)
             except PeerTimeoutError as exc:
                 with self._lock:
                     self._fail_all_locked(exc)
@@ -381,11 +397,11 @@ class RingAllReduce:
         for key in [k for k in self._stash if k[0] <= through]:
             self._stash_bytes -= sum(len(p) for _, p in self._stash.pop(key))
 
-    def _send(self, record: _Op, slot: int, flags: int) -> None:
+    def _send(self, record: _Op, slot: int, flags: int, view: memoryview | None = None) -> None:
         grid = record.grid
         size = record.dtype.itemsize
         offset, count = grid.offsets[slot], grid.counts[slot]
-        payload = record.view[offset * size : (offset + count) * size]
+        payload = (record.view if view is None else view)[offset * size : (offset + count) * size]
         if grid.last[slot]:
             flags |= _LAST
         tagged = flags & _REPLICATE
@@ -519,7 +535,8 @@ class RingAllReduce:
     def _add(record: _Op, lo: int, hi: int, payload: memoryview) -> None:
         if record.array is not None:
             part = record.array[lo:hi]
-            np.add(part, np.frombuffer(payload, dtype="<f4"), out=part)
+            mine = part if record.source is None else record.source[lo:hi]
+            np.add(mine, np.frombuffer(payload, dtype="<f4"), out=part)
         else:
             record.work[lo:hi].add_(payload_tensor(payload, record.dtype))
 
