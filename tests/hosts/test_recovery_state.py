@@ -1,5 +1,5 @@
 """Restoring a job's state: from a universal checkpoint on disk when no shadow answers, strictly,
-bit for bit (no network needed; the shadows' memory path is covered by test_recovery.py)."""
+bit for bit (no network needed; the shadows' memory path is covered by tests/topologies/test_recovery.py)."""
 
 from __future__ import annotations
 
