@@ -161,7 +161,7 @@ class TransportConfig:
     faults: FaultConfig = field(default_factory=FaultConfig)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Outstanding:
     seq: int
     header_bytes: bytearray
