@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from checkmate.fingerprint import checksum, fingerprint, mismatches
+from checkmate.fingerprint import checksum, checksums, fingerprint, mismatches
 
 
 def test_one_ulp_anywhere_changes_the_checksum_and_equal_bytes_agree() -> None:
@@ -17,7 +17,8 @@ def test_one_ulp_anywhere_changes_the_checksum_and_equal_bytes_agree() -> None:
             b[index] = torch.nextafter(b[index : index + 1], torch.tensor([10.0], dtype=dtype))[0]
             assert checksum(b) != checksum(a), (dtype, index)
     assert checksum(torch.tensor(3.0)) == 0x40400000  # a 0-d step: its bit pattern
-    assert checksum(torch.tensor([True, False, True])) == 2
+    assert checksum(torch.tensor([True, False, True])) == 0x010001  # bytes 01 00 01 as a little-endian word
+    assert checksum(torch.full((3,), -1, dtype=torch.int64)) == (3 * (2**64 - 1)) % 2**64  # wraps mod 2**64
     assert checksum(torch.arange(4, dtype=torch.int64)) == 6
     strided = torch.arange(12.0).reshape(3, 4).t()  # not contiguous: same as its contiguous copy
     assert checksum(strided) == checksum(strided.contiguous())
@@ -32,3 +33,24 @@ def test_fingerprints_compare_names_in_both_and_flag_state_keys_on_one_side() ->
     assert mismatches(mine, theirs) == ["p::exp_avg"]  # q is not theirs: not compared
     fewer = fingerprint([("p", p)], {p: {"step": torch.tensor(2.0)}})
     assert mismatches(mine, fewer) == ["p::exp_avg"]
+
+
+def test_checksums_of_many_tensors_at_once_equal_each_one_alone() -> None:
+    generator = torch.Generator().manual_seed(1)
+    tensors = [
+        torch.randn(5, generator=generator),  # 20 bytes: padded to 24 in the joined buffer
+        torch.empty(0),  # nothing: 0, and no segment of its own
+        torch.randn(3, generator=generator).to(torch.bfloat16),  # 6 bytes
+        torch.tensor(7.0),  # 0-d
+        torch.tensor([True, False, True]),
+        torch.arange(12.0).reshape(3, 4).t(),  # not contiguous
+        torch.full((2,), -1, dtype=torch.int64),
+    ]
+    alone = [checksum(t) for t in tensors]
+    assert checksums(tensors) == alone
+    assert alone[1] == 0 and alone[3] == 0x40E00000 and alone[6] == (2 * (2**64 - 1)) % 2**64
+    # padding never leaks between neighbours: a change in one tensor changes only its own checksum
+    changed = [t.clone() for t in tensors]
+    changed[0][4] = torch.nextafter(changed[0][4:5], torch.tensor([10.0]))[0]
+    after = checksums(changed)
+    assert after[0] != alone[0] and after[1:] == alone[1:]
