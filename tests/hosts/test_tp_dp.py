@@ -293,3 +293,29 @@ def test_tp_configuration_from_the_environment() -> None:
         JobSpec(7, ("w0", "w1"), ("s0",), tp_degree=2, tp_index=2)
     with pytest.raises(CheckmateConfigError, match="TP index 1 of 2"):
         CheckmateConfig(job_id=7, rank=0, world_size=2, bind=("127.0.0.1", 1), job=job)
+
+
+def _wrong_group_rank(rank: int, world: int, store: str) -> str:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hosts
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", CHECKMATE_TP_DEGREE="2",
+        CHECKMATE_BIND=f"{NET}.{120 + rank}",
+    )  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        ddp = DDP(torch.nn.Linear(4, 4))  # over every rank, not over a TP index's DP group
+        with pytest.raises(CheckmateConfigError) as caught:
+            hosts.enable_checkmate(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1))
+        return str(caught.value)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_ddp_group_that_is_not_the_lane_is_refused_at_enable(tmp_path: Path) -> None:
+    messages = run_ranks(_wrong_group_rank, 2, f"{tmp_path}/store", timeout=60)
+    for rank, message in enumerate(messages):
+        assert f"has 2 ranks, this one rank {rank}" in message and "CHECKMATE_TP_DEGREE" in message, message
