@@ -329,6 +329,7 @@ class RingAllReduce:
             try:
                 for slot in grid.chunk_slots[self.rank]:
                     self._send(record, slot, _NONE, record.source_view)
+                    self.transport.flush_if_full()
             except PeerTimeoutError as exc:
                 with self._lock:
                     self._fail_all_locked(exc)

@@ -547,9 +547,15 @@ class Transport:
             return
         with self._out_lock:
             self._outgoing.append((parts, addr))
-            held = len(self._outgoing)
-        if held >= _BATCH_FLUSH or not getattr(self._batching, "depth", 0):
+        if not getattr(self._batching, "depth", 0):
             self._flush_outgoing()  # behind whatever other threads hold, never before it
+        # In a batch the caller may hold the flow lock: writing waits for flush_if_full(),
+        # which batch owners call where they hold no lock.
+
+    def flush_if_full(self) -> None:
+        """Write the held datagrams if a batch's worth waits (call it holding no lock)."""
+        if len(self._outgoing) >= _BATCH_FLUSH:
+            self._flush_outgoing()
 
     def _write_batch(self, items: list[tuple[Sequence[Buffer], Addr]]) -> None:
         """Write collected datagrams: per address in order, runs of one size as one GSO write."""
@@ -678,6 +684,8 @@ class Transport:
                             self._handle_safely(view[start : min(start + segment, n)], addr)
                     else:
                         self._handle_safely(view[:n], addr)
+                    if len(self._outgoing) >= _BATCH_FLUSH:
+                        self._flush_outgoing()
             self._flush_acks()
 
     def _handle_safely(self, data: memoryview, addr: Addr) -> None:
