@@ -22,7 +22,7 @@ naming what does not fit, before the optimizer is touched.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,12 +80,14 @@ def load_state(
         value = state.parameters[name]
         if tuple(value.shape) != tuple(parameter.shape):
             raise CheckpointError(f"{name}: state shape {tuple(value.shape)}, model {tuple(parameter.shape)}")
-    groups = None if optimizer is None else _optimizer_groups(state, named, optimizer)
+    groups = None
+    if optimizer is not None:
+        name_of = {id(p): n for n, p in named.items()}
+        groups = optimizer_groups(state.optimizer or {}, state.optimizer_kind, optimizer, name_of)
     with torch.no_grad():
         for name, parameter in named.items():
             parameter.copy_(state.parameters[name].to(parameter.dtype))
     if optimizer is not None and groups is not None:
-        name_of = {id(p): n for n, p in named.items()}
         per_index: dict[int, dict[str, Any]] = {}
         index = 0
         for group in optimizer.param_groups:
@@ -100,15 +102,27 @@ def load_state(
     _load_job_state(module, optimizer, state.job_state, dict(stateful or {}))
 
 
-def _optimizer_groups(
-    state: RestoredState, named: Mapping[str, nn.Parameter], optimizer: torch.optim.Optimizer
+def optimizer_groups(
+    spec: Mapping[str, Any],
+    kind: str | None,
+    optimizer: torch.optim.Optimizer,
+    name_of: Mapping[int, str],
+    held: Collection[str] | None = None,
+    ordered: bool = True,
 ) -> list[dict[str, Any]]:
-    """The param groups to load (live hyperparameters, the state's where it has them); checks first."""
-    spec = state.optimizer or {}
-    kind = state.optimizer_kind or spec.get("kind")
+    """The param groups to load (live hyperparameters, the state's where it has them); checks first.
+
+    ``spec``: the state's optimizer description (``kind``, ``param_groups`` with
+    parameter names); ``name_of``: id of each live parameter -> its name in the
+    state. ``held`` (the names this process holds, e.g. one pipeline stage's):
+    each live group must hold its saved group's parameters among ``held``, in the
+    same order (any order when not ``ordered``: a loader that places state by
+    name); None means every saved parameter. Returns the groups in
+    ``load_state_dict`` form (``params`` as indices in live order).
+    """
+    kind = kind or spec.get("kind")
     if kind and kind != type(optimizer).__name__:
         raise CheckpointError(f"the state holds {kind} state, the optimizer is {type(optimizer).__name__}")
-    name_of = {id(p): n for n, p in named.items()}
     saved_groups = spec.get("param_groups") or []
     if saved_groups and len(saved_groups) != len(optimizer.param_groups):
         raise CheckpointError(
@@ -128,8 +142,14 @@ def _optimizer_groups(
                 k: (tuple(v) if isinstance(v, list) else v) for k, v in saved_groups[group_index].items()
             }
             names = saved.pop("params", None)
-            if names is not None and live_names != list(names):
-                raise CheckpointError(f"param group {group_index} holds other parameters than the state's")
+            expected = None if names is None else [n for n in names if held is None or n in held]
+            if expected is not None and (
+                live_names != expected if ordered else sorted(live_names) != sorted(expected)
+            ):
+                raise CheckpointError(
+                    f"param group {group_index} holds other parameters than the state's "
+                    f"(first live {live_names[:3]}, saved {expected[:3]})"
+                )
             hyper.update({k: v for k, v in saved.items() if k in hyper})
         groups.append({**hyper, "params": list(range(index, index + len(live_names)))})
         index += len(live_names)

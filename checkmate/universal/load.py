@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from checkmate.checkpoint import PARAM_STATE, CheckpointError, CheckpointReader
+from checkmate.checkpoint import PARAM_STATE, CheckpointReader
+from checkmate.checkpoint.load import optimizer_groups
 from checkmate.universal.box_reader import BoxReader
 from checkmate.universal.geometry import numel, restrict, slices
 from checkmate.universal.layout import FlatPartition, Layout, LocalTensor, rank_holdings, storage_pieces
@@ -222,13 +223,24 @@ def load_module(
     holdings = module_holdings(module, spec, layout, rank, shapes)
     boxes = box_reader or BoxReader(reader)
     named = dict(module.named_parameters())
+    local_names = rank_holdings(layout, spec, shapes, rank).local_names
+    groups: list[dict[str, Any]] = []
+    if optimizer is not None:  # the one loader's checks (kind, groups, their parameters), before any copy
+        saved = reader.global_state.get("optimizer")
+        groups = optimizer_groups(
+            saved if isinstance(saved, dict) else {},
+            None,
+            optimizer,
+            {id(p): local_names[n] for n, p in named.items()},
+            held=set(local_names.values()),
+            ordered=False,  # state is placed by name below
+        )
     for local, tensor in holdings.items():
         with torch.no_grad():
             _local(named[local]).copy_(_fill(boxes, tensor, PARAM_STATE, like=_local(named[local])))
     if optimizer is None:
         return reader.step
     by_id = {id(p): local for local, p in named.items()}
-    local_names = rank_holdings(layout, spec, shapes, rank).local_names
     for group in optimizer.param_groups:
         for parameter in group["params"]:
             held = by_id.get(id(parameter))
@@ -245,27 +257,9 @@ def load_module(
                     state[key] = _like(parameter, _fill(boxes, tensor, key, like=_local(parameter)))
             if state:
                 optimizer.state[parameter] = state
-    _apply_groups(reader, optimizer, {id(p): local_names[n] for n, p in named.items()})
+    for live, group in zip(optimizer.param_groups, groups, strict=True):
+        live.update({k: v for k, v in group.items() if k != "params"})
     return reader.step
-
-
-def _apply_groups(
-    reader: CheckpointReader, optimizer: torch.optim.Optimizer, name_of: dict[int, str]
-) -> None:
-    spec = reader.global_state.get("optimizer", {})
-    kind = spec.get("kind")
-    if kind and kind != type(optimizer).__name__:
-        raise CheckpointError(f"checkpoint holds {kind} state, the optimizer is {type(optimizer).__name__}")
-    saved = spec.get("param_groups", [])
-    for index, group in enumerate(optimizer.param_groups):
-        names = {name_of[id(p)] for p in group["params"]}
-        match = [g for g in saved if names <= set(g.get("params", []))]
-        if saved and not match:
-            raise CheckpointError(f"param group {index} mixes parameters of several saved groups")
-        if match:
-            for key, value in match[0].items():
-                if key != "params" and key in group:
-                    group[key] = tuple(value) if isinstance(value, list) else value
 
 
 def optimizer_meta(optimizer: torch.optim.Optimizer, name_of: Mapping[int, str]) -> dict[str, Any]:
