@@ -10,9 +10,12 @@ datagrams: one 8 MB gradient bucket does not fit. A process with ``CAP_NET_ADMIN
 
 from __future__ import annotations
 
+import array
+import fcntl
 import logging
 import os
 import socket
+import termios
 
 logger = logging.getLogger(__name__)
 
@@ -44,3 +47,18 @@ def grow_buffer(sock: socket.socket, option: int, size: int) -> int:
         except OSError as exc:
             logger.debug("cannot set socket buffer option %d to %d: %s", option, size, exc)
     return int(sock.getsockopt(socket.SOL_SOCKET, option))
+
+
+def receive_queued(sock: socket.socket) -> bool:
+    """Whether datagrams wait unread in ``sock``'s receive queue (Linux ``FIONREAD``/``SIOCINQ``).
+
+    A receiver that is behind holds what it has not read yet: a gap in what it has read
+    may still be in the queue (a reason to wait before asking for it again). False if the
+    queue cannot be read.
+    """
+    queued = array.array("i", [0])
+    try:
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, queued, True)
+    except OSError:
+        return False
+    return queued[0] > 0

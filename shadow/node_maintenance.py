@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from checkmate.sockets import receive_queued
 from checkmate.wire import CheckmateHeader
 from shadow.node_state import Addr, NodeState
 from shadow.repair import request_datagram
@@ -112,8 +113,8 @@ class Maintenance(NodeState):
             now = time.monotonic()
             sends: list[tuple[Addr, CheckmateHeader, bytes]] = []
             resync: str | None = None
-            with self._lock:
-                resync = self._plan_repairs(now, sends)
+            with self._lock:  # nothing is missing that still waits unread in the socket (a loaded shadow)
+                resync = None if receive_queued(self._udp) else self._plan_repairs(now, sends)
             for addr, header, payload in sends:
                 try:
                     datagram = header.pack() + payload
