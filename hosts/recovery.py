@@ -8,7 +8,7 @@ A restarted training script calls, on every rank, before ``enable_checkmate``::
 
 Rank 0 asks, in this order,
 
-1. the shadows' memory (:class:`shadow.restore.ShadowMemory`; the shadows named by
+1. the shadows' memory (:class:`checkmate.checkpoint.shadow_memory.ShadowMemory`; the shadows named by
    ``CHECKMATE_SHADOWS`` / ``CHECKMATE_JOB_FILE``): the latest iteration every
    shadow has applied, merged, every parameter exactly once;
 2. when no shadow answers (or none holds state), the newest *complete*
@@ -53,6 +53,7 @@ from torch import nn
 
 from checkmate.checkpoint import load as checkpoint_load
 from checkmate.checkpoint.format import CheckpointError
+from checkmate.checkpoint.shadow_memory import ShadowMemory
 from checkmate.checkpoint.source import (
     SOURCE_NONE,
     SOURCE_SHADOW_MEMORY,
@@ -64,7 +65,6 @@ from checkmate.checkpoint.source import (
 )
 from checkmate.job_state import persistent_buffers
 from checkmate.network import Addr
-from shadow.restore import ShadowMemory
 
 logger = logging.getLogger(__name__)
 

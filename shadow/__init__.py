@@ -15,8 +15,13 @@ over the state they share (:mod:`shadow.node_state`: config, records, counters):
 * :mod:`shadow.node_maintenance` - repair requests (:mod:`shadow.repair`), the status
   document and file.
 
-Around it: :mod:`shadow.snapshots` (the asynchronous disk tier), :mod:`shadow.restore`
-(the shadows' memory as a checkpoint state source), :mod:`shadow.cluster`
-(cluster-wide certification), :mod:`shadow.metrics` (Prometheus),
-:mod:`shadow.benchmark`. docs/shadow.md describes the behaviour.
+Around it: :mod:`shadow.iteration_window` (the iterations a shadow buffers ahead),
+:mod:`shadow.optimizer_apply` (the optimizer replayed on a shard),
+:mod:`shadow.reassembly` (datagrams into buckets), :mod:`shadow.repair` (asking workers
+for what is missing), :mod:`shadow.snapshots` (the asynchronous disk tier),
+:mod:`shadow.cluster` (cluster-wide certification), :mod:`shadow.metrics` (Prometheus),
+:mod:`shadow.cli` (``checkmate-shadow``) and :mod:`shadow.benchmark` (apply, fingerprint,
+disk and job-state costs). The client that fetches the shadows' memory (a checkpoint
+state source) is :mod:`checkmate.checkpoint.shadow_memory`: workers use it, so it lives
+below the stages. docs/shadow.md describes the behaviour.
 """

@@ -21,6 +21,7 @@ from pathlib import Path
 from types import FrameType
 
 from checkmate.auth import AuthConfigError
+from checkmate.checkpoint.shadow_memory import RestoreError
 from checkmate.control import DEFAULT_CONTROL_PORT, query_status
 from checkmate.control_frame import ControlProtocolError
 from checkmate.metrics import MetricsServer, parse_metrics_port
@@ -29,7 +30,6 @@ from shadow.cluster import certified_through
 from shadow.metrics import shadow_collector
 from shadow.node import ShadowConfig, ShadowNode
 from shadow.repair import RepairPolicy
-from shadow.restore import RestoreError
 from shadow.snapshots import SnapshotPolicy
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ One package, shaped like ``torch.distributed.checkpoint``:
   of one complete step that reads only the bytes asked for.
 * :mod:`~checkmate.checkpoint.source` — the state-source interface
   (:class:`~checkmate.checkpoint.source.StateSource`) and the snapshot-directory
-  source; the shadow-memory source is :class:`shadow.restore.ShadowMemory`.
+  source; the shadow-memory source is :class:`checkmate.checkpoint.shadow_memory.ShadowMemory`.
 * :mod:`~checkmate.checkpoint.load` — the one loader: a whole model, optimizer and
   job state from any source's state, or one rank's ZeRO-1 slice.
 * :mod:`~checkmate.checkpoint.digest` — the digests that say whether two states are

@@ -7,7 +7,7 @@ the data position — as one :class:`RestoredState`, whatever holds it:
 * :class:`SnapshotDirectory` — the newest complete universal checkpoint in a
   directory (the shadows' snapshots on disk), read through
   :class:`~checkmate.checkpoint.reader.CheckpointReader`;
-* :class:`shadow.restore.ShadowMemory` — the latest iteration every shadow holds
+* :class:`checkmate.checkpoint.shadow_memory.ShadowMemory` — the latest iteration every shadow holds
   in memory, fetched over their control port.
 
 Restore code (``hosts.resume``, the shadows' digest command) asks sources through

@@ -12,6 +12,7 @@ from torch import nn
 
 from checkmate import checkpoint as fmt
 from checkmate.checkpoint.load import load_into, load_state
+from checkmate.checkpoint.shadow_memory import ShadowMemory
 from checkmate.checkpoint.source import (
     SOURCE_SHADOW_MEMORY,
     SOURCE_SNAPSHOT,
@@ -21,7 +22,6 @@ from checkmate.checkpoint.source import (
     StateSource,
 )
 from hosts import recovery
-from shadow.restore import ShadowMemory
 
 torch.set_num_threads(1)
 
@@ -104,7 +104,7 @@ def test_the_snapshot_directory_reads_the_newest_complete_step_bit_for_bit(tmp_p
 
 
 def _memory_state(net: nn.Module, optimizer: torch.optim.Optimizer) -> RestoredState:
-    """What the shadows' memory source hands out (shadow.restore.state_of_merged's shape)."""
+    """What the shadows' memory source hands out (checkmate.checkpoint.shadow_memory.state_of_merged's shape)."""
     return RestoredState(
         iteration=4,
         source=SOURCE_SHADOW_MEMORY,

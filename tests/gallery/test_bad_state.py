@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shadow.restore import fetch_state
+from checkmate.checkpoint.shadow_memory import fetch_state
 from tests.gallery.test_gallery import Job, _shadows
 
 

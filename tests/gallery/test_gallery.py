@@ -33,10 +33,10 @@ import pytest
 import torch
 
 from checkmate import checkpoint as fmt
+from checkmate.checkpoint.shadow_memory import fetch_state
 from checkmate.wire import CHECKMATE_UDP_PORT
 from hosts.recovery import from_snapshots
 from shadow.node import ShadowConfig, ShadowNode
-from shadow.restore import fetch_state
 from shadow.snapshots import SnapshotPolicy
 
 SCRIPTS = Path(__file__).parent / "scripts"

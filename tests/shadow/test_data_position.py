@@ -17,10 +17,10 @@ import torch
 from checkmate import checkpoint as fmt
 from checkmate.checkpoint import CheckpointReader
 from checkmate.checkpoint.load import data_position
+from checkmate.checkpoint.shadow_memory import fetch_shard, fetch_state, merge_shards
 from checkmate.control import MAX_DATA_POSITION_BYTES, BucketLayout, Commit, JobStart, RestoreRefused
 from shadow.node import ShadowConfig, ShadowNode
 from shadow.repair import RepairPolicy
-from shadow.restore import fetch_shard, fetch_state, merge_shards
 from shadow.snapshots import SnapshotPolicy
 from tests.hosts.fake_shadow import FakeShadow
 from tests.hosts.harness import run_ranks

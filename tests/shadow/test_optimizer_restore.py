@@ -2,7 +2,7 @@
 
 The shadow is seeded like rank 0 seeds it (a job_start with the optimizer's state),
 replays three steps, and its state goes (a) through a restore answer and
-:func:`shadow.restore.merge_shards`, (b) through a checkpoint on disk, into a fresh
+:func:`checkmate.checkpoint.shadow_memory.merge_shards`, (b) through a checkpoint on disk, into a fresh
 worker optimizer with :func:`hosts.recovery.load_state`. Both restored workers then
 train on next to the uninterrupted one and end bit for bit equal to it.
 """
@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from checkmate import checkpoint as fmt
+from checkmate.checkpoint.shadow_memory import merge_shards
 from checkmate.checkpoint.source import RestoredState
 from checkmate.control import JobStart, ParamSpec
 from checkmate.optimizers import describe, pin_implementation
 from hosts.recovery import from_snapshots, load_state
 from shadow.node import ShadowNode
 from shadow.optimizer_apply import OptimizerSpec, StepRecord
-from shadow.restore import merge_shards
 from tests.shadow.test_optimizer_apply import OPTIMIZERS, model
 
 torch.set_num_threads(1)

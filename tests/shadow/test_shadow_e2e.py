@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from checkmate import checkpoint as fmt
+from checkmate.checkpoint.shadow_memory import fetch_state
 from shadow.cluster import certified_through, snapshot_certified_through
 from shadow.node import ShadowConfig, ShadowNode
 from shadow.repair import RepairPolicy
-from shadow.restore import fetch_state
 from shadow.snapshots import SnapshotPolicy
 from tests.hosts.harness import run_ranks
 from tests.shadow.copy_tap import CopyFaults

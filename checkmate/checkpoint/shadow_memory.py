@@ -1,8 +1,11 @@
-"""Restore client: fetch the latest consistent state from the shadows' memory.
+"""The shadows' memory as a state source: the client that fetches a consistent state from the shadows.
 
 :class:`ShadowMemory` is the shadows' memory as a state source
 (:class:`checkmate.checkpoint.source.StateSource`, next to the snapshot
-directory); the functions below are what it does.
+directory); the functions below are what it does. It is the client side of the
+shadows' restore service (which answers in :mod:`shadow.node_service`), used by
+the workers (``hosts.resume``) and by anyone who reports the shadows' state, so it
+lives with the checkpoint package and imports nothing of ``shadow/``.
 
 Each shadow holds its shard (the parameters of the buckets it owns, with
 their optimizer state). A consistent state is every shard *after the same
@@ -20,8 +23,8 @@ data position after the restored iteration (what they set with
 The command a host runs to report the shadows' state (digests of parameters
 and optimizer state, :mod:`checkmate.checkpoint.digest`)::
 
-    python -m shadow.restore digest --shadow sh1=10.0.9.1:48880 --shadow sh2=10.0.9.2:48880 \
-        --iteration 99 --out FILE
+    python -m checkmate.checkpoint.shadow_memory digest \
+        --shadow sh1=10.0.9.1:48880 --shadow sh2=10.0.9.2:48880 --iteration 99 --out FILE
 """
 
 from __future__ import annotations
@@ -325,7 +328,8 @@ def _digest_command(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m shadow.restore", description="Report the state the shadows hold in memory."
+        prog="python -m checkmate.checkpoint.shadow_memory",
+        description="Report the state the shadows hold in memory.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     digest = commands.add_parser("digest", help="digests of the shadows' state (parameters, optimizer)")
