@@ -144,7 +144,7 @@ def optimizer_groups(
             names = saved.pop("params", None)
             expected = None if names is None else [n for n in names if held is None or n in held]
             if expected is not None and (
-                live_names != expected if ordered else sorted(live_names) != sorted(expected)
+                live_names != expected if ordered else set(live_names) != set(expected)
             ):
                 raise CheckpointError(
                     f"param group {group_index} holds other parameters than the state's "

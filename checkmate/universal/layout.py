@@ -19,7 +19,7 @@ so loading and saving any layout is the same copy loop.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from checkmate.universal.geometry import (
@@ -185,7 +185,7 @@ class LocalTensor:
     """One local tensor of a rank: its shape and the logical pieces it holds (the rest is padding)."""
 
     name: str
-    """The checkpoint's (global) name of the parameter."""
+    """The checkpoint's (global) name of the parameter (a tied alias's canonical name)."""
     shape: tuple[int, ...]
     pieces: list[Piece]
 
@@ -219,7 +219,7 @@ class RankHoldings:
     state_flat: FlatPartition | None = None
     """ZeRO-1/2/3: optimizer states as a flat partition instead of ``tensors``."""
     local_names: dict[str, str] = field(default_factory=dict)
-    """Local name -> checkpoint name (pipeline renaming)."""
+    """Local name -> global name (pipeline renaming; a tied alias keeps its own name)."""
 
 
 def stage_names(spec: ReshapeSpec, names: Sequence[str], pp: int) -> list[dict[str, str]]:
@@ -308,16 +308,31 @@ def rank_holdings(
     parameters: Mapping[str, Sequence[int]],
     rank: int,
     stored_shapes: Mapping[str, Sequence[int]] | None = None,
+    untied: Collection[str] = (),
 ) -> RankHoldings:
     """What ``rank`` of ``layout`` holds of each parameter (``parameters``: name -> logical shape).
 
     ``stored_shapes`` (checkpoint name -> whole stored shape) overrides the
     default padding of vocabulary dimensions (the target model's sizes).
+    A tied alias (``spec.ties``) on the stage of its canonical parameter is the
+    canonical's tensor and not held again, unless named in ``untied`` (a
+    module that keeps its own copy); on another stage it is its own copy.
+    Either way its pieces read and write the canonical atom.
     """
     pp_index, dp_index, tp_index = layout.coords(rank)
+    parameters = spec.with_aliases(parameters)
     stages = stage_names(spec, sorted(parameters), layout.pp)
+    stage = {
+        local: name
+        for local, name in stages[pp_index].items()
+        if spec.canonical(name) == name
+        or name in untied
+        or spec.canonical(name) not in stages[pp_index].values()
+    }
     tensors: dict[str, LocalTensor] = {}
-    for local, name in sorted(stages[pp_index].items()):
+    for alias in sorted(set(stages[pp_index].values()) - set(stage.values())):
+        spec.check_tie(alias, parameters[alias], layout.tp)
+    for local, name in sorted(stage.items()):
         shape = tuple(parameters[name])
         rule = spec.check_rule(name, shape)
         vocab = None
@@ -337,8 +352,8 @@ def rank_holdings(
             lo, hi = chunk_bounds(local_shape[0], dp_index, layout.dp)
             pieces = restrict(pieces, dim_window(local_shape, 0, lo, hi))
             local_shape[0] = hi - lo
-        tensors[local] = LocalTensor(name, tuple(local_shape), pieces)
-    holdings = RankHoldings(rank, layout, tensors, local_names=dict(stages[pp_index]))
+        tensors[local] = LocalTensor(spec.canonical(name), tuple(local_shape), pieces)
+    holdings = RankHoldings(rank, layout, tensors, local_names=stage)
     if layout.zero:
         ordered = [tensors[k] for k in sorted(tensors)]
         holdings.state_flat = _flat(ordered, dp_index, layout.dp, layout.align)

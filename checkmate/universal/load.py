@@ -24,7 +24,14 @@ from checkmate.checkpoint import PARAM_STATE, CheckpointReader
 from checkmate.checkpoint.load import optimizer_groups
 from checkmate.universal.box_reader import BoxReader
 from checkmate.universal.geometry import numel, restrict, slices
-from checkmate.universal.layout import FlatPartition, Layout, LocalTensor, rank_holdings, storage_pieces
+from checkmate.universal.layout import (
+    FlatPartition,
+    Layout,
+    LocalTensor,
+    rank_holdings,
+    stage_names,
+    storage_pieces,
+)
 from checkmate.universal.spec import LayoutError, ReshapeSpec, check_compatible, spec_of_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -149,12 +156,33 @@ def module_holdings(
 
     DTensors describe themselves (placements, uneven shards); plain tensors are
     taken to be laid out as ``layout`` says (a stage's TP-local tensor, FSDP chunk).
+    Tied parameters must be the spec's ties: a tied alias the module holds as its
+    own tensor is filled from (and saved into) the canonical atom.
     """
     from torch.distributed.tensor import DTensor
 
     named = dict(module.named_parameters())
+    shapes = spec.with_aliases(shapes)
+    stage = stage_names(spec, sorted(shapes), layout.pp)[layout.coords(rank)[0]]
+    untied = {
+        stage[local] for local in named if local in stage and spec.canonical(stage[local]) != stage[local]
+    }
+    first_name: dict[int, str] = {}
+    for local, parameter in module.named_parameters(remove_duplicate=False):
+        canonical = first_name.setdefault(id(parameter), local)
+        alias, target = stage.get(local, local), stage.get(canonical, canonical)
+        if canonical != local and spec.canonical(target) == alias:
+            raise LayoutError(
+                f"{local} and {canonical} are one tensor the module registers first under the spec's alias "
+                f"name {target!r}; register {alias!r} first or swap the tie"
+            )
+        if canonical != local and spec.canonical(alias) != target:
+            raise LayoutError(
+                f"{local} shares its tensor with {canonical} but the spec does not tie them "
+                f"(ties: {dict(spec.ties)}); tie {alias!r} to {target!r}"
+            )
     stored_shapes: dict[str, tuple[int, ...]] = {}
-    holdings = rank_holdings(layout, spec, shapes, rank, None)
+    holdings = rank_holdings(layout, spec, shapes, rank, None, untied)
     if set(named) != set(holdings.tensors):
         missing = sorted(set(holdings.tensors) - set(named))
         extra = sorted(set(named) - set(holdings.tensors))
@@ -171,7 +199,7 @@ def module_holdings(
             if rule.cat_dim is not None and not layout.fsdp:
                 stored[rule.cat_dim] *= layout.tp
             stored_shapes[name] = tuple(stored)
-    holdings = rank_holdings(layout, spec, shapes, rank, stored_shapes)
+    holdings = rank_holdings(layout, spec, shapes, rank, stored_shapes, untied)
     out: dict[str, LocalTensor] = {}
     for local, parameter in named.items():
         name = holdings.local_names[local]
@@ -185,6 +213,13 @@ def module_holdings(
                 f"{layout.describe()} says {out[local].shape}"
             )
     return out
+
+
+def stage_local_names(
+    spec: ReshapeSpec, shapes: Mapping[str, Sequence[int]], layout: Layout, rank: int
+) -> dict[str, str]:
+    """Local name -> global name of every parameter (tied aliases too) of ``rank``'s stage."""
+    return stage_names(spec, sorted(spec.with_aliases(shapes)), layout.pp)[layout.coords(rank)[0]]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -223,7 +258,9 @@ def load_module(
     holdings = module_holdings(module, spec, layout, rank, shapes)
     boxes = box_reader or BoxReader(reader)
     named = dict(module.named_parameters())
-    local_names = rank_holdings(layout, spec, shapes, rank).local_names
+    local_names = {
+        local: spec.canonical(name) for local, name in stage_local_names(spec, shapes, layout, rank).items()
+    }
     groups: list[dict[str, Any]] = []
     if optimizer is not None:  # the one loader's checks (kind, groups, their parameters), before any copy
         saved = reader.global_state.get("optimizer")
@@ -271,5 +308,6 @@ def optimizer_meta(optimizer: torch.optim.Optimizer, name_of: Mapping[int, str])
             for k, v in group.items()
             if k != "params" and isinstance(v, (int, float, bool, str, tuple, list, type(None)))
         }
-        groups.append({**hyper, "params": [name_of[id(p)] for p in group["params"]]})
+        names = [name_of[id(p)] for p in group["params"]]
+        groups.append({**hyper, "params": [n for i, n in enumerate(names) if n not in names[:i]]})
     return {"kind": type(optimizer).__name__, "param_groups": groups}

@@ -21,6 +21,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,8 @@ class RunJob:
     dcp_root: str | None = None
     """Also save torch DCP checkpoints (``get_state_dict``) at ``save_steps`` under ``dcp_root/step-N``."""
     results: str = ""
-    config: dict[str, int] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    """TinyConfig fields (``tied``, sizes); defaults where absent."""
     lr: float = 1e-2
 
 

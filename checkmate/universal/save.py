@@ -32,8 +32,8 @@ from checkmate.checkpoint import PARAM_STATE
 from checkmate.job_state import JobState
 from checkmate.universal.extract import AtomMerger, Record, records_of_tensor
 from checkmate.universal.geometry import numel, whole
-from checkmate.universal.layout import Layout, LocalTensor, rank_holdings
-from checkmate.universal.load import _local, module_holdings, optimizer_meta
+from checkmate.universal.layout import Layout, LocalTensor
+from checkmate.universal.load import _local, module_holdings, optimizer_meta, stage_local_names
 from checkmate.universal.rank_files import read_rank_records, write_rank_file
 from checkmate.universal.spec import ReshapeSpec
 
@@ -97,8 +97,8 @@ def save_universal(
     rank = dist.get_rank()
     holdings = module_holdings(module, spec, layout, rank, shapes)
     records = module_records(module, optimizer, holdings, layout, rank, spec)
-    local_names = rank_holdings(layout, spec, shapes, rank).local_names
-    name_of = {id(p): local_names[n] for n, p in module.named_parameters()}
+    local_names = stage_local_names(spec, shapes, layout, rank)
+    name_of = {id(p): spec.canonical(local_names[n]) for n, p in module.named_parameters()}
     meta = optimizer_meta(optimizer, name_of) if optimizer is not None else {}
     return save_records(root, step, records, meta, layout, spec, shapes, extra, timeout, job_state)
 
@@ -117,6 +117,9 @@ def save_records(
 ) -> Path:
     """Collective: each rank passes the records it holds and its optimizer description."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    shapes = {
+        n: s for n, s in shapes.items() if spec.canonical(n) == n
+    }  # a tied alias is its canonical's atom
     if world != layout.world_size:
         raise ValueError(f"layout {layout.describe()} has {layout.world_size} ranks, the job {world}")
     root = Path(root)

@@ -19,6 +19,14 @@ Pipeline stages: parameters named like ``layer_pattern`` (default
 local index; other names go to the first stage when they match a
 ``first_stage`` pattern, else to the last.
 
+Tied parameters (``ties``: alias -> canonical name, e.g. an LM head that
+shares the input embedding's tensor) are saved once, under the canonical name;
+the alias is recorded here. A module that holds both as one tensor loads it
+once; a module (or a pipeline stage) that holds the alias as its own tensor
+gets it filled from the canonical atom, and saving merges such copies like
+replicas (bit-identical). Under tensor parallelism one tied tensor is split
+once, so the alias's rule must split it as the canonical's does.
+
 The spec is stored in ``global.json`` (``extra["universal"]["spec"]``) so a
 checkpoint carries the rules it was written with.
 """
@@ -106,10 +114,42 @@ class ReshapeSpec:
     rules: tuple[ReshapeRule, ...] = ()
     layer_pattern: str = r"layers\.(\d+)\."
     first_stage: tuple[str, ...] = ()
+    ties: tuple[tuple[str, str], ...] = ()
+    """(alias, canonical) pairs of parameters that share one tensor."""
     _compiled: tuple[re.Pattern[str], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_compiled", tuple(re.compile(r.pattern) for r in self.rules))
+        aliases = dict(self.ties)
+        for alias, canonical in self.ties:
+            if alias == canonical or canonical in aliases or len(aliases) != len(self.ties):
+                raise LayoutError(
+                    f"ties: {alias} -> {canonical}: an alias names one other parameter that is not itself "
+                    f"an alias, once"
+                )
+
+    def canonical(self, name: str) -> str:
+        """The name ``name``'s tensor is saved under (itself unless it is a tied alias)."""
+        return dict(self.ties).get(name, name)
+
+    def with_aliases(self, shapes: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+        """``shapes`` (checkpoint names) plus each tied alias with its canonical's shape."""
+        out = {n: tuple(s) for n, s in shapes.items()}
+        for alias, canonical in self.ties:
+            if canonical in out:
+                out.setdefault(alias, out[canonical])
+        return out
+
+    def check_tie(self, alias: str, shape: Sequence[int], tp: int) -> None:
+        """A tied alias held as the canonical's very tensor: under TP both rules must split it alike."""
+        canonical = self.canonical(alias)
+        mine, theirs = self.check_rule(alias, shape), self.check_rule(canonical, shape)
+        if tp > 1 and (mine.cat_dim, mine.parts, mine.vocab) != (theirs.cat_dim, theirs.parts, theirs.vocab):
+            raise LayoutError(
+                f"{alias}: tied to {canonical}, but {mine.describe()} splits it otherwise than "
+                f"{canonical}'s {theirs.describe()}; one tensor cannot be split two ways at TP degree {tp} "
+                f"(untie them, or give both the same rule)"
+            )
 
     def rule(self, name: str) -> ReshapeRule:
         for rule, compiled in zip(self.rules, self._compiled, strict=True):
@@ -144,13 +184,14 @@ class ReshapeSpec:
             "rules": [r.to_json() for r in self.rules],
             "layer_pattern": self.layer_pattern,
             "first_stage": list(self.first_stage),
+            **({"ties": dict(self.ties)} if self.ties else {}),
         }
 
     @classmethod
     def from_json(cls, data: Any, where: str = "spec") -> ReshapeSpec:
         if not isinstance(data, Mapping) or not isinstance(data.get("rules", []), list):
             raise LayoutError(f"{where}: expected an object with a 'rules' list")
-        unknown = set(data) - {"rules", "layer_pattern", "first_stage"}
+        unknown = set(data) - {"rules", "layer_pattern", "first_stage", "ties"}
         if unknown:
             raise LayoutError(f"{where}: unknown keys {sorted(unknown)}")
         layer_pattern = data.get("layer_pattern", r"layers\.(\d+)\.")
@@ -162,8 +203,13 @@ class ReshapeSpec:
                 raise LayoutError(f"{where}: layer_pattern needs one group capturing the layer number")
         except re.error as exc:
             raise LayoutError(f"{where}: layer_pattern is not a regex ({exc})") from None
+        ties = data.get("ties", {})
+        if not isinstance(ties, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in ties.items()
+        ):
+            raise LayoutError(f"{where}: ties must map alias names to canonical names")
         rules = tuple(ReshapeRule.from_json(r, where) for r in data.get("rules", []))
-        return cls(rules, layer_pattern, tuple(str(p) for p in first_stage))
+        return cls(rules, layer_pattern, tuple(str(p) for p in first_stage), tuple(sorted(ties.items())))
 
     @classmethod
     def load(cls, path: Path) -> ReshapeSpec:
@@ -184,7 +230,12 @@ def spec_of_checkpoint(global_state: Mapping[str, Any]) -> ReshapeSpec | None:
 
 
 def check_compatible(saved: ReshapeSpec, target: ReshapeSpec, names: Sequence[str]) -> None:
-    """A target spec must split fused parameters the way they were saved."""
+    """A target spec must split fused parameters the way they were saved, and tie the same names."""
+    if dict(saved.ties) != dict(target.ties):
+        raise LayoutError(
+            f"the checkpoint was saved with tied parameters {dict(saved.ties)}, the target spec ties "
+            f"{dict(target.ties)}; a tie decides which names share one saved tensor"
+        )
     for name in names:
         before, after = saved.rule(name), target.rule(name)
         if before.parts != after.parts:

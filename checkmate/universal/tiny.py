@@ -30,6 +30,8 @@ class TinyConfig:
     ffn: int = 24
     seq: int = 8
     batch: int = 12
+    tied: bool = False
+    """The LM head shares the input embedding's tensor (``ties: head.weight -> embed.weight``)."""
 
 
 def tiny_spec(config: TinyConfig) -> ReshapeSpec:
@@ -44,12 +46,15 @@ def tiny_spec(config: TinyConfig) -> ReshapeSpec:
             ReshapeRule(r"layers\.\d+\.mlp\.down\.weight", cat_dim=1),
         ),
         first_stage=(r"embed\.weight",),
+        ties=(("head.weight", "embed.weight"),) if config.tied else (),
     )
 
 
 def logical_shapes(config: TinyConfig) -> dict[str, tuple[int, ...]]:
     d, f, v = config.dim, config.ffn, config.vocab
-    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (v, d), "norm.weight": (d,), "head.weight": (v, d)}
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (v, d), "norm.weight": (d,)}
+    if not config.tied:
+        shapes["head.weight"] = (v, d)
     for i in range(config.layers):
         shapes.update(
             {
@@ -127,13 +132,19 @@ class TinyLM(nn.Module):
     ) -> None:
         super().__init__()
         self.vocab = config.vocab
-        self.first, self.last = first, last
+        self.first, self.last, self.tied = first, last, config.tied
         if first:
             self.embed = nn.Embedding(padded_vocab, config.dim)
         self.layers = nn.ModuleList(Block(config) for _ in range(layers))
         if last:
             self.norm = nn.RMSNorm(config.dim)
             self.head = nn.Linear(config.dim, padded_vocab, bias=False)
+        self.tie()
+
+    def tie(self) -> None:
+        """With ``config.tied``, the head uses the embedding's tensor (when this part holds both)."""
+        if self.tied and self.first and self.last:
+            self.head.weight = self.embed.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
@@ -175,6 +186,7 @@ def build(config: TinyConfig, layout: Layout, rank: int) -> TinyLM:
                 }
             )
         parallelize_module(model, mesh["tp"], plan)
+        model.tie()  # parallelize_module gave each module its own DTensor; both are Shard(0) of one tensor
     if layout.fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
