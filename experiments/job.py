@@ -476,7 +476,14 @@ class JobRun:
         self.observer.phase("verify", 1)
         out = self.work / "shadow-digest.json"
         out.unlink(missing_ok=True)
-        argv = [config.python, "-m", "checkmate.checkpoint.shadow_memory", "digest", "--iteration", str(config.iterations - 1)]
+        argv = [
+            config.python,
+            "-m",
+            "checkmate.checkpoint.shadow_memory",
+            "digest",
+            "--iteration",
+            str(config.iterations - 1),
+        ]
         argv += ["--timeout", str(config.verify_timeout / 2), "--out", str(out)]
         for name, address in self.shadows.control().items():
             argv += ["--shadow", f"{name}={address}"]
