@@ -543,10 +543,8 @@ class RingAllReduce:
 
     @staticmethod
     def _store(record: _Op, lo: int, hi: int, payload: memoryview) -> None:
-        if record.array is not None:
-            record.array[lo:hi] = np.frombuffer(payload, dtype="<f4")
-        else:
-            record.work[lo:hi].copy_(payload_tensor(payload, record.dtype))
+        size = record.dtype.itemsize
+        record.view[lo * size : hi * size] = payload  # the wire's bytes are the tensor's (little-endian)
 
     def _complete(self, completed: list[_Op]) -> None:
         for record in completed:
