@@ -3,10 +3,12 @@
 The TP=2 x DP=2 job (torch ColwiseParallel / RowwiseParallel DTensors, a
 vocabulary-parallel embedding, fused QKV and gate/up) saves universal
 checkpoints at steps 3 and 6. Each target layout (plain DP, FSDP2, TP, PP,
-FSDP2 x TP, ZeRO-1 over padded flat partitions) loads step 3, saves it again
-at once — which must give the same atoms element for element — and trains
-steps 4..6 on the same global batches: its losses must continue the source
-run's (same math, other reduction orders).
+FSDP2 x TP, ZeRO-1/2/3 over padded flat partitions, ZeRO-1 and ZeRO-3 under
+TP=2) loads step 3, saves it again at once — which must give the same atoms
+element for element — and trains steps 4..6 on the same global batches: its
+losses must continue the source run's (same math, other reduction orders).
+The way back: a checkpoint saved by ZeRO-1, FSDP2, ZeRO-3 x TP and PP runs
+resumes as TP=2 x DP=2.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from checkmate.checkpoint import CheckpointReader
+from checkmate.universal.layout import Layout
 from checkmate.universal.runs import RunJob, run_layout, write_initial
 from checkmate.universal.tiny import TinyConfig
 
@@ -58,7 +61,19 @@ def test_source_run_saves_complete_universal_checkpoints(source_run: tuple[Path,
 
 
 @pytest.mark.parametrize(
-    "target", ["tp=1,dp=3", "dp=2,fsdp=1", "tp=2,dp=1", "pp=2", "tp=2,dp=2,fsdp=1", "dp=3,zero=1,align=4"]
+    "target",
+    [
+        "tp=1,dp=3",
+        "dp=2,fsdp=1",
+        "tp=2,dp=1",
+        "pp=2",
+        "tp=2,dp=2,fsdp=1",
+        "dp=3,zero=1,align=4",
+        "dp=2,zero=2",
+        "dp=3,zero=3,align=4",
+        "tp=2,dp=2,zero=1",
+        "tp=2,dp=2,zero=3",
+    ],
 )
 def test_resume_in_another_layout(
     source_run: tuple[Path, dict[int, float]], target: str, tmp_path: Path
@@ -92,35 +107,21 @@ def test_resume_in_another_layout(
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_zero1_checkpoint_resumes_as_tp_by_dp(
-    source_run: tuple[Path, dict[int, float]], tmp_path: Path
+@pytest.mark.parametrize("middle", ["dp=3,zero=1,align=4", "dp=2,fsdp=1", "tp=2,dp=2,zero=3", "pp=2"])
+def test_a_checkpoint_saved_in_another_layout_resumes_as_tp_by_dp(
+    source_run: tuple[Path, dict[int, float]], tmp_path: Path, middle: str
 ) -> None:
     root, source_losses = source_run
     run_layout(
-        RunJob(
-            "dp=3,zero=1,align=4", str(root / "ckpt"), 3, 4, save_root=str(tmp_path / "z"), save_steps=[4]
-        ),
-        timeout=120,
+        RunJob(middle, str(root / "ckpt"), 3, 4, save_root=str(tmp_path / "mid"), save_steps=[4]), timeout=120
     )
     losses = run_layout(
-        RunJob(SOURCE, str(tmp_path / "z"), 4, 5, resave_root=str(tmp_path / "back")), timeout=120
+        RunJob(SOURCE, str(tmp_path / "mid"), 4, 5, resave_root=str(tmp_path / "back")), timeout=120
     )
-    assert_same_atoms(CheckpointReader(tmp_path / "z", 4), CheckpointReader(tmp_path / "back", 4))
-    assert losses[5] == pytest.approx(source_losses[5], abs=1e-4)
-
-
-def test_fsdp2_checkpoint_resumes_as_tp_by_dp(
-    source_run: tuple[Path, dict[int, float]], tmp_path: Path
-) -> None:
-    root, source_losses = source_run
-    run_layout(
-        RunJob("dp=2,fsdp=1", str(root / "ckpt"), 3, 4, save_root=str(tmp_path / "fsdp"), save_steps=[4]),
-        timeout=120,
+    assert CheckpointReader(tmp_path / "mid", 4).global_state["extra"]["universal"]["source_layout"] == (
+        Layout.parse(middle).describe()
     )
-    losses = run_layout(
-        RunJob(SOURCE, str(tmp_path / "fsdp"), 4, 5, resave_root=str(tmp_path / "back")), timeout=120
-    )
-    assert_same_atoms(CheckpointReader(tmp_path / "fsdp", 4), CheckpointReader(tmp_path / "back", 4))
+    assert_same_atoms(CheckpointReader(tmp_path / "mid", 4), CheckpointReader(tmp_path / "back", 4))
     assert losses[5] == pytest.approx(source_losses[5], abs=1e-4)
 
 
