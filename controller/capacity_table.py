@@ -114,7 +114,7 @@ def bench_check(shadow_bench: Path, bench: Path) -> list[str]:
     cm = systems["checkmate"]
     t = cm["mean_iteration_ms"] / 1e3
     request = PlanRequest(
-        model_params=136960,  # TinyLM's parameters (topologies/examples/tiny_lm.py, ModelConfig())
+        model_params=136960,  # TinyLM's parameters (checkmate/tiny_lm.py, ModelConfig())
         optimizer="adamw",
         iteration_time_s=t,
         dp=settings["workers"],

@@ -36,7 +36,6 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -46,28 +45,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hosts
 from checkmate.checkpoint.digest import optimizer_digest, parameters_digest
-from examples.tiny_lm import ModelConfig, TinyLM, batch_for, cosine_lr, load_corpus, loss_of
+from checkmate.tiny_lm import ModelConfig, TinyLM, TrainConfig, batch_for, cosine_lr, load_corpus, loss_of
 from hosts.recovery import ResumePoint, optimizer_states_by_name
 
 logger = logging.getLogger("train_lm")
 
 RESUME_ENV = "CHECKMATE_RESUME"
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """What one run trains: the schedule, batches, model size and optimizer."""
-
-    iterations: int = 100
-    global_batch: int = 48
-    seed: int = 0
-    peak_lr: float = 3e-3
-    warmup: int = 5
-    weight_decay: float = 0.01
-    max_norm: float = 1.0
-    bucket_cap_mb: float = 0.1
-    """Small buckets: several per iteration, so every shadow owns some."""
-    model: ModelConfig = ModelConfig()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -43,8 +43,8 @@ import torch
 from checkmate.auth import DatagramAuth
 from checkmate.control import Commit, decode_message, encode_message, recv_message, send_message
 from checkmate.control_frame import bind, process_auth
+from checkmate.tiny_lm import ModelConfig, TinyLM
 from checkmate.wire import CheckmateHeader, DType, MessageType
-from examples.tiny_lm import ModelConfig, TinyLM
 from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig
 from hosts.transport import Transport, TransportConfig, pack_ranges
 

@@ -9,7 +9,7 @@ Prints one line per optimizer and writes JSON. The end-to-end lag (commit
 arrival to applied) is in every shadow's status (``apply.last_commit_to_apply_seconds``).
 
 ``--fingerprint`` measures the divergence check (:mod:`checkmate.fingerprint`) for the
-demo model (TinyLM with AdamW, topologies/examples/train_lm.py's defaults): the time to
+demo model (TinyLM with AdamW, :class:`checkmate.tiny_lm.TrainConfig`'s defaults): the time to
 fingerprint every parameter and its optimizer state (what rank 0 adds to a fingerprinted
 step, and at most what a shadow adds for its share), the fingerprint's size on the
 control channel, and both against one training iteration of the same model on this
@@ -69,8 +69,7 @@ def measure(kind: str, numel: int, iterations: int, tensors: int = 16) -> dict[s
 def measure_fingerprint(repeats: int = 50) -> dict[str, Any]:
     """Fingerprint cost vs one TinyLM training iteration (see the module docstring)."""
     from checkmate.fingerprint import fingerprint
-    from examples.tiny_lm import ModelConfig, TinyLM, loss_of
-    from examples.train_lm import TrainConfig
+    from checkmate.tiny_lm import ModelConfig, TinyLM, TrainConfig, loss_of
 
     config = TrainConfig()
     torch.manual_seed(config.seed)
@@ -185,8 +184,7 @@ def measure_job_state() -> dict[str, Any]:
     """Commit bytes the job state adds, against the iteration's gradient bytes (see module docstring)."""
     from checkmate.control import Commit, encode_message
     from checkmate.job_state import capture
-    from examples.tiny_lm import TinyLM
-    from examples.train_lm import TrainConfig
+    from checkmate.tiny_lm import TinyLM, TrainConfig
 
     class Cursor:
         def __init__(self) -> None:

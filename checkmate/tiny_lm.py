@@ -1,4 +1,8 @@
-"""A small character-level transformer language model and its corpus, for demos and benchmarks.
+"""TinyLM, the reference workload: a small byte-level transformer, its corpus and training defaults.
+
+The demo's and the benchmark's worker script (``examples/train_lm.py``), the
+stage benchmarks (``hosts.auth_benchmark``, ``shadow.benchmark``) and the tests all
+train this model, so it sits in the shared package below every stage.
 
 The corpus is real text that every Python installation ships: the source of a
 fixed list of standard-library modules, read from the interpreter's own
@@ -134,3 +138,19 @@ def cosine_lr(iteration: int, total: int, peak: float = 3e-3, warmup: int = 5) -
         return peak * (iteration + 1) / warmup
     progress = (iteration - warmup) / max(1, total - warmup)
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What one run trains: the schedule, batches, model size and optimizer."""
+
+    iterations: int = 100
+    global_batch: int = 48
+    seed: int = 0
+    peak_lr: float = 3e-3
+    warmup: int = 5
+    weight_decay: float = 0.01
+    max_norm: float = 1.0
+    bucket_cap_mb: float = 0.1
+    """Small buckets: several per iteration, so every shadow owns some."""
+    model: ModelConfig = ModelConfig()
