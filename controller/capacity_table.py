@@ -19,14 +19,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from controller.capacity import (
-    DEFAULT_SHADOW_BENCH,
-    REPO_ROOT,
-    PlanError,
-    PlanInfeasible,
-    PlanRequest,
-    plan,
-)
+from checkmate.p4.program import REPO_ROOT
+from controller.capacity import PlanInfeasible, PlanRequest, plan
+from controller.capacity_inputs import DEFAULT_SHADOW_BENCH, PlanError
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from checkmate.job import JobSpec, JobSpecError
 from checkmate.network import Addr, Network, NetworkError
 from checkmate.p4.program import P4INFO_PATH, Target
 from checkmate.tls import TlsFiles
-from controller.capacity import add_plan_parser, positive_int, run_plan
+from controller.capacity_cli import add_plan_parser, positive_int, run_plan
 from controller.controller import Controller
 from controller.errors import ControllerError
 from controller.job_registry_cli import forget_job, list_jobs

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from controller import capacity
+from controller import capacity, capacity_inputs
 from controller.capacity import PlanError, PlanInfeasible, PlanRequest, plan
 from controller.capacity_table import main as table_main
 from controller.cli import main as ctl_main
@@ -25,12 +25,12 @@ def _bench(tmp_path: Path, adamw_rate: float) -> Path:
 def test_table_sizes_and_horizon_match_the_program_and_the_shadow() -> None:
     defines = (REPO / "p4src" / "shared" / "defines.p4").read_text()
     sizes = dict(re.findall(r"#define (\w+_TABLE_SIZE) (\d+)", defines))
-    assert int(sizes["REPLICATION_TABLE_SIZE"]) == capacity.REPLICATION_TABLE_SIZE
-    assert int(sizes["SHADOW_DESTINATION_TABLE_SIZE"]) == capacity.SHADOW_DESTINATION_TABLE_SIZE
-    assert int(sizes["JOB_TABLE_SIZE"]) == capacity.JOB_TABLE_SIZE
+    assert int(sizes["REPLICATION_TABLE_SIZE"]) == capacity_inputs.REPLICATION_TABLE_SIZE
+    assert int(sizes["SHADOW_DESTINATION_TABLE_SIZE"]) == capacity_inputs.SHADOW_DESTINATION_TABLE_SIZE
+    assert int(sizes["JOB_TABLE_SIZE"]) == capacity_inputs.JOB_TABLE_SIZE
     from shadow.node import ShadowConfig
 
-    assert ShadowConfig.__dataclass_fields__["horizon"].default == capacity.SHADOW_HORIZON_ITERATIONS
+    assert ShadowConfig.__dataclass_fields__["horizon"].default == capacity_inputs.SHADOW_HORIZON_ITERATIONS
 
 
 @pytest.mark.parametrize(

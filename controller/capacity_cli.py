@@ -1,0 +1,204 @@
+"""``checkmate-ctl plan``: the capacity planner's command line and its text rendering.
+
+The plan itself is :func:`controller.capacity.plan` (docs/capacity.md); this module
+parses sizes such as ``70e9`` / ``7B`` / ``350M``, builds the
+:class:`~controller.capacity.PlanRequest`, and prints the plan as text or JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from controller.capacity import PlanInfeasible, PlanRequest, plan
+from controller.capacity_inputs import (
+    DDP_DEFAULT_BUCKET_MB,
+    DEFAULT_SHADOW_BENCH,
+    GRAD_DTYPE_BYTES,
+    OPTIMIZER_STATE_BYTES,
+    PlanError,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _si(value: float, unit: str) -> str:
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.2f} {prefix}{unit}"
+    return f"{value:.0f} {unit}"
+
+
+def render(result: dict[str, Any]) -> str:
+    """The plan as text for a terminal."""
+    r, s, sw, rep = (
+        result["request"],
+        result["shadows"],
+        result["switch"],
+        result["repeated_work_per_failure"],
+    )
+    lines = [
+        f"{_si(r['model_params'], 'params')} {r['optimizer']}, {result['gpus']} GPUs "
+        f"(dp {r['dp']} x tp {r['tp']}), "
+        f"{r['iteration_time_s'] * 1e3:g} ms/iteration, {r['grad_dtype']} gradients, "
+        f"{r['bucket_mb']:g} MB buckets",
+        f"shadows: {s['processes']} processes ({s['per_ring']} per ring), one core each, on {s['hosts']} "
+        f"host(s) (room for {s['shadows_per_host']} per host, limited by {s['host_limited_by']})",
+        f"  each applies {_si(s['parameters_per_shadow'], 'params')} in "
+        f"{s['apply_seconds_per_iteration'] * 1e3:.1f} ms "
+        f"per iteration ({s['busy_share']:.0%} busy) at "
+        f"{s['apply_rate_params_per_s_per_core'] / 1e6:.1f} M params/s",
+        f"  memory {_si(s['memory_bytes_per_shadow'], 'B')} per shadow, "
+        f"{_si(s['memory_bytes_total'], 'B')} in all",
+        f"  link: {_si(s['link_bytes_per_shadow_per_iteration'], 'B')} per shadow per iteration, "
+        f"{s['link_share_per_host']:.0%} of a host's {r['link_gbps']:g} Gb/s link",
+        f"switch {sw['target']}: {sw['leaves']} leaves of {sw['workers_per_leaf']} workers; "
+        "the busiest copies "
+        f"{sw['copies_per_leaf_per_iteration']:,.0f} datagrams "
+        f"({_si(sw['copy_bytes_per_leaf_per_iteration'], 'B')}) "
+        f"per iteration, {sw['copy_gbps_per_leaf']:.2f} Gb/s",
+    ]
+    for row in sw["resources"]:
+        mark = "ok  " if row["fits"] else "OVER"
+        lines.append(f"  {mark} {row['resource']}: {row['needed']:,} of {row['limit']:,}")
+    lines.append(
+        f"repeated work per failure: {rep['iterations']:g} iterations = {rep['seconds']:.3g} s "
+        f"= {rep['gpu_hours']:.3g} GPU-hours"
+    )
+    if rep["periodic"]:
+        p = rep["periodic"]
+        lines.append(
+            f"  a checkpoint every {p['every']} iterations: {p['iterations']:g} iterations = "
+            f"{p['gpu_hours']:.3g} GPU-hours ({p['checkmate_saves']:.0%} saved by Checkmate)"
+        )
+    lines.append("sources:")
+    lines.extend(f"  {k}: {v}" for k, v in result["sources"].items())
+    return "\n".join(lines)
+
+
+def _number(text: str) -> float:
+    """A size such as 70e9, 7B, 1.3b, 350M, 137k."""
+    suffixes = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+    cleaned = text.strip().replace("_", "").replace(",", "")
+    factor = 1.0
+    if cleaned and cleaned[-1].lower() in suffixes:
+        factor = suffixes[cleaned[-1].lower()]
+        cleaned = cleaned[:-1]
+    try:
+        value = float(cleaned) * factor
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 70e9, 7B, 350M)") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (shared with controller.cli)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def add_plan_parser(commands: Any) -> None:
+    """Register ``plan`` on ``checkmate-ctl``'s sub-command parser."""
+    p = commands.add_parser(
+        "plan",
+        help="capacity plan: shadows, memory, links and switch resources for a job size",
+        description="How many shadow CPUs, how much memory, link and switch capacity a job needs "
+        "(docs/capacity.md). Needs no network description and touches no switch.",
+    )
+    p.add_argument("--model-params", type=_number, required=True, help="parameters, e.g. 70e9, 7B, 350M")
+    p.add_argument("--optimizer", required=True, choices=sorted(OPTIMIZER_STATE_BYTES), help="optimizer")
+    p.add_argument("--iteration-time", type=_number, required=True, help="seconds per training iteration")
+    p.add_argument("--dp", type=positive_int, required=True, help="data-parallel degree (workers per ring)")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (rings), default 1")
+    p.add_argument("--link-gbps", type=_number, default=100.0, help="shadow host link, Gb/s (default 100)")
+    p.add_argument("--switch", default="tofino", choices=["bmv2", "embedded", "tofino", "tofino2"])
+    p.add_argument("--grad-dtype", default="fp32", choices=sorted(GRAD_DTYPE_BYTES), help="bucket dtype")
+    p.add_argument("--bucket-mb", type=_number, default=DDP_DEFAULT_BUCKET_MB, help="DDP bucket_cap_mb (25)")
+    p.add_argument(
+        "--shadow-cores-per-host", type=positive_int, default=32, help="cores per shadow host (32)"
+    )
+    p.add_argument("--shadow-memory-gib", type=_number, default=256.0, help="memory per shadow host (256)")
+    p.add_argument(
+        "--shadow-busy",
+        type=float,
+        default=0.5,
+        help="share of an iteration a shadow may spend applying (0.5)",
+    )
+    p.add_argument("--workers-per-switch", type=positive_int, default=32, help="workers per leaf switch (32)")
+    p.add_argument(
+        "--max-groups",
+        dest="plan_max_groups",
+        type=positive_int,
+        default=None,
+        help="the switch's group limit",
+    )
+    p.add_argument("--switch-gbps", type=_number, default=None, help="the switch's capacity, Gb/s")
+    p.add_argument("--lag", type=float, default=1.0, help="iterations until a step is certified (1)")
+    p.add_argument(
+        "--compare-every",
+        type=positive_int,
+        default=None,
+        help="compare with a checkpoint every N iterations",
+    )
+    p.add_argument(
+        "--shadows-per-ring",
+        type=positive_int,
+        default=None,
+        help="use this many shadows per ring (default: fewest)",
+    )
+    p.add_argument("--shadow-bench", type=Path, default=DEFAULT_SHADOW_BENCH, help="make bench-shadow's JSON")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def request_from_args(args: argparse.Namespace) -> PlanRequest:
+    return PlanRequest(
+        model_params=args.model_params,
+        optimizer=args.optimizer,
+        iteration_time_s=args.iteration_time,
+        dp=args.dp,
+        tp=args.tp,
+        link_gbps=args.link_gbps,
+        switch=args.switch,
+        grad_dtype=args.grad_dtype,
+        bucket_mb=args.bucket_mb,
+        shadow_cores_per_host=args.shadow_cores_per_host,
+        shadow_memory_gib=args.shadow_memory_gib,
+        shadow_busy=args.shadow_busy,
+        workers_per_switch=args.workers_per_switch,
+        max_groups=args.plan_max_groups,
+        switch_gbps=args.switch_gbps,
+        lag_iterations=args.lag,
+        compare_every=args.compare_every,
+        shadows_per_ring=args.shadows_per_ring,
+        shadow_bench=args.shadow_bench,
+    )
+
+
+def run_plan(args: argparse.Namespace, prog: str = "checkmate-ctl") -> int:
+    """``checkmate-ctl plan``: print the plan; 1 with the limiting resource when none fits."""
+    try:
+        result = plan(request_from_args(args))
+    except PlanInfeasible as exc:
+        if args.json:
+            print(json.dumps({**exc.plan, "error": str(exc)}, indent=2))
+        else:
+            print(render(exc.plan))
+        print(f"{prog}: error: cannot fit: {exc}", file=sys.stderr)
+        return 1
+    except PlanError as exc:
+        print(f"{prog}: error: cannot plan: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2) if args.json else render(result))
+    return 0
