@@ -4,7 +4,7 @@
 trains the tiny transformer with TP=2 x DP=2 (4 ranks) for ``--steps``
 iterations, saving a universal checkpoint at ``--switch``; then resumes that
 checkpoint as TP=1 x DP=3, FSDP2 on 2 ranks, TP=2 x DP=1, PP=2, FSDP2 x TP
-(2 x 2) and ZeRO-1 on 3 ranks, and trains to ``--steps`` on the same global
+(2 x 2), ZeRO-1 and ZeRO-3 on 3 ranks and ZeRO-3 x TP (2 x 2), and trains to ``--steps`` on the same global
 batches. Writes ``reshard_loss.json`` (every loss, and each resumed run's
 largest difference from the source run) and ``reshard_loss.png`` (loss per
 step; the difference on a log scale).
@@ -28,7 +28,16 @@ from checkmate.universal.tiny import TinyConfig
 logger = logging.getLogger(__name__)
 
 SOURCE = "tp=2,dp=2"
-TARGETS = ("tp=1,dp=3", "dp=2,fsdp=1", "tp=2,dp=1", "pp=2", "tp=2,dp=2,fsdp=1", "dp=3,zero=1,align=4")
+TARGETS = (
+    "tp=1,dp=3",
+    "dp=2,fsdp=1",
+    "tp=2,dp=1",
+    "pp=2",
+    "tp=2,dp=2,fsdp=1",
+    "dp=3,zero=1,align=4",
+    "dp=3,zero=3,align=4",
+    "tp=2,dp=2,zero=3",
+)
 
 
 def measure(steps: int, switch: int, lr: float) -> dict[str, object]:
