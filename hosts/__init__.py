@@ -7,10 +7,17 @@ call to resume after a failure is ``hosts.resume(ddp_model, optimizer)``
 (see :mod:`hosts.recovery`).
 
 Modules: :mod:`hosts.transport` (reliable UDP), :mod:`hosts.ring_allreduce`
-(ring all-reduce, tags, repair service), :mod:`hosts.ddp` (DDP hook, commit
-records), :mod:`hosts.recovery` (resume from the shadows or disk),
-:mod:`hosts.control_channel` (rank 0 -> shadows, TCP),
-:mod:`hosts.faults` (seeded loss/duplication/reordering for tests).
+(ring all-reduce, tags, repair service), :mod:`hosts.ddp` (``enable_checkmate`` and the
+agent, assembled from :mod:`hosts.ddp_config` (configuration, job file),
+:mod:`hosts.ddp_hook` (the DDP comm hook), :mod:`hosts.ddp_gradients` (clipping, the
+path to the optimizer step), :mod:`hosts.ddp_commits` (rank 0's job start, commit
+records, fingerprints) and :mod:`hosts.ddp_tp` (DDP over a TP model)),
+:mod:`hosts.control_channel` (rank 0 -> shadows, TCP), :mod:`hosts.recovery` (resume
+from the shadows' memory or disk, through :mod:`checkmate.checkpoint`'s state sources),
+:mod:`hosts.metrics` (Prometheus), :mod:`hosts.faults` (seeded
+loss/duplication/reordering for tests), and two benchmarks: :mod:`hosts.benchmark`
+(ring all-reduce and DDP step vs gloo) and :mod:`hosts.auth_benchmark` (what
+authentication costs per TinyLM iteration).
 """
 
 from __future__ import annotations
