@@ -133,3 +133,15 @@ def test_a_tied_tp_by_dp_run_resumes_in_another_layout(
             assert torch.equal(saved.parameter(name, state), again.parameter(name, state)), f"{name}::{state}"
     for step in (3, 4):
         assert losses[step] == pytest.approx(source_losses[step], abs=1e-4)
+
+
+def test_rank_files_of_a_tied_checkpoint_merge_back_into_one_atom(
+    trained: CheckpointReader, tmp_path: Path
+) -> None:
+    from checkmate.universal import convert
+
+    folder, _ = convert.to_rank_files(trained, tmp_path / "ranks", Layout(tp=2, pp=2))
+    back = CheckpointReader(convert.from_rank_files(folder, tmp_path / "back").parent)
+    assert back.parameters == trained.parameters and "head.weight" not in back.parameters
+    for state in trained.states_of("embed.weight"):
+        assert torch.equal(back.parameter("embed.weight", state), trained.parameter("embed.weight", state))
