@@ -241,6 +241,13 @@ def measure_job_state() -> dict[str, Any]:
     return {"demo": demo, "batchnorm_cnn": bn}
 
 
+def _write_json(path: str | None, figures: Any) -> None:
+    """The figures as JSON at ``path`` (nothing when no ``--json`` was given)."""
+    if path:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(figures, handle, indent=1)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=int, default=4_000_000)
@@ -266,9 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{100 * row['job_state_fraction_of_gradient_bytes']:.3f} % of the "
                 f"{row['gradient_bytes_per_iteration']} gradient bytes of an iteration"
             )
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as handle:
-                json.dump(figures, handle, indent=1)
+        _write_json(args.json, figures)
         return 0
     if args.disk:
         iteration_ms = args.iteration_ms if args.iteration_ms is not None else demo_iteration_ms()
@@ -315,9 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{figures['fingerprint_json_bytes']} bytes "
             f"({100 * figures['fingerprint_fraction_of_gradient_bytes']:.2f} % of the gradient bytes)"
         )
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as handle:
-                json.dump(figures, handle, indent=1)
+        _write_json(args.json, figures)
         return 0
     results = [measure(kind, args.params, args.iterations) for kind in args.kinds.split(",")]
     for r in results:
@@ -325,9 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r['kind']:6s} {r['parameters']:>10d} params  {r['seconds_per_iteration'] * 1e3:8.1f} ms/it  "
             f"{r['parameters_per_second'] / 1e6:8.1f} M params/s"
         )
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(results, handle, indent=1)
+    _write_json(args.json, results)
     return 0
 
 
