@@ -201,7 +201,8 @@ class TpDemo:
         config = self.config
         out = self.job_run.work / f"shadow-digest-tp{lane.index}.json"
         out.unlink(missing_ok=True)
-        argv = [config.python, "-m", "checkmate.checkpoint.shadow_memory", "digest", "--iteration", str(config.iterations - 1)]
+        argv = [config.python, "-m", "checkmate.checkpoint.shadow_memory", "digest"]
+        argv += ["--iteration", str(config.iterations - 1)]
         argv += ["--timeout", str(config.verify_timeout / 2), "--out", str(out)]
         for name, address in lane.processes.control().items():
             argv += ["--shadow", f"{name}={address}"]

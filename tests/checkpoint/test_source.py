@@ -104,7 +104,7 @@ def test_the_snapshot_directory_reads_the_newest_complete_step_bit_for_bit(tmp_p
 
 
 def _memory_state(net: nn.Module, optimizer: torch.optim.Optimizer) -> RestoredState:
-    """What the shadows' memory source hands out (checkmate.checkpoint.shadow_memory.state_of_merged's shape)."""
+    """What the shadows' memory source hands out (shadow_memory.state_of_merged's shape)."""
     return RestoredState(
         iteration=4,
         source=SOURCE_SHADOW_MEMORY,
