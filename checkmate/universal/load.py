@@ -156,8 +156,9 @@ def module_holdings(
 
     DTensors describe themselves (placements, uneven shards); plain tensors are
     taken to be laid out as ``layout`` says (a stage's TP-local tensor, FSDP chunk).
-    Tied parameters must be the spec's ties: a tied alias the module holds as its
-    own tensor is filled from (and saved into) the canonical atom.
+    A tied alias (the spec's ties) the module holds as its own tensor is filled
+    from (and saved into) the canonical atom; a module that ties two names the
+    checkpoint holds as two atoms is refused naming them.
     """
     from torch.distributed.tensor import DTensor
 
@@ -176,10 +177,10 @@ def module_holdings(
                 f"{local} and {canonical} are one tensor the module registers first under the spec's alias "
                 f"name {target!r}; register {alias!r} first or swap the tie"
             )
-        if canonical != local and spec.canonical(alias) != target:
+        if canonical != local and spec.canonical(alias) != target and alias in shapes:
             raise LayoutError(
-                f"{local} shares its tensor with {canonical} but the spec does not tie them "
-                f"(ties: {dict(spec.ties)}); tie {alias!r} to {target!r}"
+                f"{local} shares its tensor with {canonical} but the checkpoint holds {alias!r} as an atom "
+                f"of its own (ties: {dict(spec.ties)}); load it into a module that does not tie them"
             )
     stored_shapes: dict[str, tuple[int, ...]] = {}
     holdings = rank_holdings(layout, spec, shapes, rank, None, untied)

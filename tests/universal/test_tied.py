@@ -98,9 +98,16 @@ def test_a_tie_its_rules_split_two_ways_is_refused_under_tp_naming_both(trained:
 def test_a_module_tie_the_spec_does_not_know_is_refused_naming_it(
     trained: CheckpointReader, tmp_path: Path
 ) -> None:
-    untied_checkpoint = write_atoms(tmp_path, random_atoms())  # saved without ties
-    with pytest.raises(LayoutError, match=r"head\.weight shares its tensor with embed\.weight"):
+    untied_checkpoint = write_atoms(tmp_path, random_atoms())  # saved without ties: two atoms
+    with pytest.raises(LayoutError, match=r"head\.weight shares its tensor with embed\.weight but the check"):
         load_module(untied_checkpoint, TinyLM(TIED, TIED.vocab, TIED.layers), None, Layout(), 0)
+    # saved once without a recorded tie (a DDP job's checkpoint of a tied model): loads as it is
+    atoms = {n: v for n, v in random_atoms().items() if n != "head.weight"}
+    once = write_atoms(tmp_path / "once", atoms)
+    tied = TinyLM(TIED, TIED.vocab, TIED.layers)
+    load_module(once, tied, None, Layout(), 0)
+    assert tied.head.weight is tied.embed.weight
+    assert torch.equal(tied.head.weight.detach(), atoms["embed.weight"]["param"])
     untie = ReshapeSpec(tiny_spec(TIED).rules, first_stage=(r"embed\.weight",))
     with pytest.raises(LayoutError, match=r"saved with tied parameters \{'head\.weight': 'embed\.weight'\}"):
         load_module(trained, TinyLM(TIED, TIED.vocab, TIED.layers), None, Layout(), 0, untie)
