@@ -25,6 +25,9 @@ from shadow.snapshots import disk_status
 
 logger = logging.getLogger(__name__)
 
+REPAIR_DEFER_LIMIT_S = 1.0
+"""Longest a shadow defers planning repairs while copies still wait unread in its socket."""
+
 
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -109,12 +112,22 @@ class Maintenance(NodeState):
 
     def _maintenance_loop(self) -> None:
         next_status = time.monotonic()
+        deferred_since: float | None = None
         while not self._stop.wait(0.005):
             now = time.monotonic()
             sends: list[tuple[Addr, CheckmateHeader, bytes]] = []
             resync: str | None = None
-            with self._lock:  # nothing is missing that still waits unread in the socket (a loaded shadow)
-                resync = None if receive_queued(self._udp) else self._plan_repairs(now, sends)
+            # Nothing is missing that still waits unread in the socket (a loaded shadow): plan
+            # repairs once the socket is drained, or after REPAIR_DEFER_LIMIT_S at the latest,
+            # so that steady traffic that never lets the queue empty cannot starve repairs.
+            if receive_queued(self._udp):
+                deferred_since = now if deferred_since is None else deferred_since
+            else:
+                deferred_since = None
+            if deferred_since is None or now - deferred_since >= REPAIR_DEFER_LIMIT_S:
+                deferred_since = None
+                with self._lock:
+                    resync = self._plan_repairs(now, sends)
             for addr, header, payload in sends:
                 try:
                     datagram = header.pack() + payload

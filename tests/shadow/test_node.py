@@ -353,6 +353,33 @@ def test_gaps_are_repaired_from_another_worker_after_a_nack(node: ShadowNode) ->
         answering.close()
 
 
+def test_a_socket_that_never_drains_defers_repairs_only_for_a_bounded_time(
+    node: ShadowNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copies always waiting unread (steady traffic on a loaded shadow) must not starve repairs."""
+    from shadow import node_maintenance
+
+    monkeypatch.setattr(node_maintenance, "receive_queued", lambda sock: True)
+    monkeypatch.setattr(node_maintenance, "REPAIR_DEFER_LIMIT_S", 3600.0)
+    answering = FakeWorker("127.0.0.61", nack=False)
+    try:
+        rank0 = join(node, [answering.address, answering.address])
+        sender = worker_socket()
+        sender.sendto(datagram(0, 0, GRAD[:4]), node.data_address)
+        sender.sendto(datagram(0, 8, GRAD[8:10]), node.data_address)
+        rank0.send(Commit(JOB, 0, [0.1]))
+        assert not node.wait_applied(0, 1.0)  # deferred: the socket looks busy
+        assert answering.requests == []
+        monkeypatch.setattr(node_maintenance, "REPAIR_DEFER_LIMIT_S", 0.3)
+        assert node.wait_applied(0, 5), node.status()
+        assert answering.requests  # repaired from the worker, after the bounded deferral
+        want = reference(1)
+        assert all(torch.equal(node.parameters()[n], want[n]) for n in want)
+        rank0.close()
+    finally:
+        answering.close()
+
+
 def test_unrepairable_gap_blocks_certification_and_asks_for_state(node: ShadowNode) -> None:
     workers = [FakeWorker("127.0.0.60", nack=True), FakeWorker("127.0.0.61", nack=True)]
     try:
