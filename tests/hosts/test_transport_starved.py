@@ -1,4 +1,4 @@
-"""A large bucket through the transport to a receiver that is starved of CPU: every element arrives, bit-exact.
+"""A large bucket through the transport to a receiver starved of CPU: every element arrives, bit-exact.
 
 The receiver runs in its own process, which the test stops (SIGSTOP) for most of the
 time, as a loaded machine deschedules it; meanwhile its socket buffer fills and the
