@@ -198,6 +198,8 @@ class StateService(NodeState):
             extra={
                 "shadow": self.name,
                 "iteration": self._applied,
+                # with the divergence check on, the last iteration whose state matched the workers'
+                "last_verified": self._last_verified if job.fingerprint_every > 0 else None,
                 "optimizer_step": self._optimizer_step,
                 "data_position": self._data_position,
                 "shard_keys": sorted(job.shard_keys),

@@ -155,9 +155,20 @@ def merge_shards(shards: Sequence[JobStart]) -> dict[str, Any]:
     missing = sorted(set(expected) - set(parameters))
     if missing:
         raise RestoreError(f"no shadow holds parameter(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    iteration = first.start_iteration - 1
+    verified = [int(v) for v in (s.extra.get("last_verified") for s in shards) if v is not None]
+    if verified and min(verified) < iteration:
+        logger.warning(
+            "the shadows' state after iteration %d is unverified since iteration %d "
+            "(the divergence check runs every CHECKMATE_FINGERPRINT_EVERY iterations); "
+            "the snapshots on disk hold verified states only",
+            iteration,
+            min(verified),
+        )
     return {
         "job_id": first.job_id,
-        "iteration": first.start_iteration - 1,
+        "iteration": iteration,
+        "last_verified": min(verified) if verified else None,
         "optimizer_step": max(int(s.extra.get("optimizer_step", 0)) for s in shards),
         "data_position": _data_position(shards),
         "parameters": {p.name: parameters[p.name] for p in first.parameters},

@@ -15,6 +15,7 @@ import torch
 
 from checkmate import wire
 from checkmate.auth import DatagramAuth, secret_from_env
+from checkmate.checkpoint.shadow_memory import fetch_shard
 from checkmate.control import (
     BucketLayout,
     BucketSpec,
@@ -314,6 +315,10 @@ def test_with_fingerprints_every_k_only_verified_iterations_are_certified_and_a_
     assert wait_for(lambda: node.status()["certified_iteration"] == 1), node.status()
     iteration(2)
     assert node.wait_applied(2, 5), node.status()
+    # a restore now gets iteration 2's state, and is told it is verified only up to iteration 1
+    shard = fetch_shard(node.control_address, 2, 5.0, 10.0, JOB)
+    assert isinstance(shard, JobStart), shard
+    assert shard.start_iteration == 3 and shard.extra["last_verified"] == 1
     iteration(3)
     assert wait_for(lambda: node.status()["state"] == "diverged"), node.status()
     iteration(4)  # a diverged shadow applies nothing more until rank 0 re-seeds it
