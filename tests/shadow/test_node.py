@@ -295,8 +295,8 @@ def test_with_fingerprints_every_k_only_verified_iterations_are_certified_and_a_
     w, b = INITIAL["w"].clone().requires_grad_(), INITIAL["b"].clone().requires_grad_()
     optimizer = torch.optim.SGD([w, b], lr=0.1, momentum=0.9, foreach=False)
     prints = []
-    for iteration in range(5):
-        scale = 0.5 if iteration == 2 else 1.0
+    for step in range(5):
+        scale = 0.5 if step == 2 else 1.0
         w.grad, b.grad = GRAD[:8].reshape(2, 4) * scale, GRAD[8:] * scale
         optimizer.step()
         prints.append(fingerprint([("w", w), ("b", b)], optimizer.state))
