@@ -26,11 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hosts.ddp import CheckmateAgent, CheckmateConfig, clip_grad_norm_, enable_checkmate  # noqa: F401
+    from hosts.random_state import RandomState  # noqa: F401
     from hosts.recovery import ResumeError, ResumePoint, resume, settle_buckets  # noqa: F401
 
 _FROM_DDP = ("CheckmateAgent", "CheckmateConfig", "clip_grad_norm_", "enable_checkmate")
 _FROM_RESUME = ("ResumeError", "ResumePoint", "resume", "settle_buckets")
-__all__ = [*_FROM_DDP, *_FROM_RESUME]
+_FROM_RANDOM_STATE = ("RandomState",)
+__all__ = [*_FROM_DDP, *_FROM_RESUME, *_FROM_RANDOM_STATE]
 
 
 def __getattr__(name: str) -> Any:
@@ -43,4 +45,8 @@ def __getattr__(name: str) -> Any:
         from hosts import recovery
 
         return getattr(recovery, name)
+    if name in _FROM_RANDOM_STATE:
+        from hosts import random_state
+
+        return getattr(random_state, name)
     raise AttributeError(f"module 'hosts' has no attribute {name!r}")

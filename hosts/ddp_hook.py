@@ -8,6 +8,13 @@ shadow shard), optionally compresses the bucket, and hands it to
 completes the future under the ring's own lock. At the last bucket of an iteration it
 sends the shadows a changed bucket layout (re-seeding them when the buckets were rebuilt)
 and counts the iteration; it takes no lock of its own.
+
+It also watches, on rank 0, for a job that draws random numbers without saving its
+generators: if torch's CPU generator state changed between two iterations' last buckets
+and no :class:`~hosts.random_state.RandomState` is among the stateful objects, it logs
+one warning naming the fix (a resume would not be bit-identical: dropout, random
+augmentation, a shuffling DataLoader). The check copies 5 KiB and compares it, once per
+iteration until it has warned.
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ import torch.distributed as dist
 
 from checkmate.control import BucketLayout, BucketSpec, JobStart, ParamSlice, dtype_name
 from hosts.control_channel import ControlChannel
-from hosts.ddp_config import COMPRESSION, CheckmateConfig
+from hosts.ddp_config import COMPRESSION, CheckmateConfig, CheckmateConfigError
+from hosts.random_state import RandomState, RandomStateError, check_same_on_every_rank
 from hosts.ring_allreduce import ReduceOp, RingAllReduce
+from hosts.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +49,7 @@ class CommHook:
     config: CheckmateConfig
     names: dict[int, str]
     ring: RingAllReduce
+    transport: Transport
     channel: ControlChannel | None
     iteration: int
     """The next all-reduce iteration."""
@@ -50,10 +60,49 @@ class CommHook:
     """ShadowMessages': commit an iteration."""
     _job_start: Callable[[int], JobStart]
     """ShadowMessages': the state before an iteration, for the shadows."""
+    rank: int
+    stateful: dict[str, object]
+    _group: object
+    _rng_seen: torch.Tensor | None
+    """Rank 0 without a RandomState: torch's CPU generator state at the last iteration's end."""
 
     def register(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
-        """Make this the DDP model's all-reduce."""
+        """Make this the DDP model's all-reduce (collective: compares the ranks' RandomStates first).
+
+        CheckmateConfigError when the ranks' generators differ (RandomState saves rank 0's).
+        """
+        try:
+            check_same_on_every_rank(self.stateful, self._group)
+        except RandomStateError as exc:
+            if self.channel is not None:  # nothing was registered yet: stop what the agent started
+                self.channel.close(1.0)
+            self.ring.close()
+            self.transport.close()
+            metrics = getattr(self, "_metrics", None)
+            if metrics is not None:
+                metrics.close()
+            raise CheckmateConfigError(str(exc)) from None
+        watch = self.rank == 0 and not any(isinstance(o, RandomState) for o in self.stateful.values())
+        self._rng_seen = torch.get_rng_state() if watch else None
         ddp_model.register_comm_hook(self, _hook)
+
+    def _watch_random_state(self) -> None:
+        """Warn once if the job draws from torch's CPU generator and its state is not saved."""
+        if self._rng_seen is None:
+            return
+        now = torch.get_rng_state()
+        if torch.equal(now, self._rng_seen):
+            self._rng_seen = now
+            return
+        self._rng_seen = None  # once
+        logger.warning(
+            "checkmate: this job draws random numbers (torch's CPU generator changed during iteration %d: "
+            "dropout, random augmentation, a shuffling DataLoader?) but its generator state is not "
+            "checkpointed, so a resumed job will NOT be bit-identical to an uninterrupted one. Fix: "
+            'pass stateful={"rng": hosts.RandomState(), ...} to enable_checkmate and to hosts.resume '
+            "(an object of yours that already saves torch's generator state makes this warning moot)",
+            self.iteration,
+        )
 
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
@@ -104,5 +153,6 @@ class CommHook:
                     self.channel.post(self._job_start(self.iteration))
                 self.channel.post(BucketLayout(self.config.job_id, self.iteration, layout))
         self._bucket_layout = {}
+        self._watch_random_state()
         self._uncommitted = self.iteration
         self.iteration += 1
