@@ -181,26 +181,44 @@ def state_digest(state: Mapping[str, Any]) -> str:
 
 
 def check_same_on_every_rank(stateful: Mapping[str, Any], group: Any) -> None:
-    """Every rank's RandomState objects hold the same generators; ValueError naming them otherwise.
+    """Every rank's RandomState objects hold the same torch generators; RandomStateError otherwise.
 
     The job state is rank 0's: a rank that draws other numbers (a per-rank seed) would
     resume with rank 0's generators and train differently from the uninterrupted run.
-    One ``all_gather_object`` of a SHA-256 per object over ``group`` (the DDP model's), bounded
-    by the process group's own timeout.
+    torch's generators (CPU, CUDA) differing is refused. NumPy's and Python's global
+    generators are seeded from the OS per process unless the script seeds them, and most
+    jobs never draw from them: differing, they get one warning on rank 0 (naming them and
+    the fix), not a refusal. One ``all_gather_object`` of a SHA-256 per generator over
+    ``group`` (the DDP model's), bounded by the process group's own timeout.
     """
-    mine = {n: state_digest(o.state_dict()) for n, o in stateful.items() if isinstance(o, RandomState)}
+    mine = {
+        f"{name}/{part}": state_digest({part: value})
+        for name, obj in stateful.items()
+        if isinstance(obj, RandomState)
+        for part, value in obj.state_dict().items()
+    }
     if not mine or not dist.is_initialized():
         return
     world = dist.get_world_size(group)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine, group=group)
     seen = [g if isinstance(g, dict) else {} for g in gathered]
-    differ = sorted(n for n in mine if len({str(g.get(n)) for g in seen}) > 1)
-    if differ:
+    differ = [key for key in mine if len({str(g.get(key)) for g in seen}) > 1]
+    torch_differ = sorted(
+        {key.rsplit("/", 1)[0] for key in differ if key.rsplit("/", 1)[1] in ("torch", "cuda")}
+    )
+    if torch_differ:
         raise RandomStateError(
-            f"stateful object(s) {differ} (RandomState): the ranks' random-number generators differ "
-            "(seeded per rank?). Checkmate saves rank 0's generators, so a resumed job would draw "
+            f"stateful object(s) {torch_differ} (RandomState): the ranks' torch random-number generators "
+            "differ (seeded per rank?). Checkmate saves rank 0's generators, so a resumed job would draw "
             "different numbers on the other ranks than an uninterrupted one. Seed every rank identically "
             "(torch.manual_seed(same) on every rank) before enable_checkmate, and give per-rank randomness "
             "(e.g. data shuffling) its own torch.Generator seeded from (seed, rank, iteration)."
+        )
+    if differ and dist.get_rank(group) == 0:
+        logger.warning(
+            "checkmate: %s differ between ranks (unseeded?); RandomState saves rank 0's, so if the job "
+            "draws from them a resumed job is not bit-identical. Seed them identically on every rank "
+            "(numpy.random.seed(s); random.seed(s)) before enable_checkmate",
+            ", ".join(sorted(differ)),
         )
