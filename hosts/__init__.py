@@ -6,7 +6,9 @@ switch can copy them to shadows. The one line for a DDP script is
 call to resume after a failure is ``hosts.resume(ddp_model, optimizer)``
 (see :mod:`hosts.recovery`).
 
-Modules: :mod:`hosts.transport` (reliable UDP), :mod:`hosts.ring_allreduce`
+Modules: :mod:`hosts.transport` (reliable UDP, assembled from :mod:`hosts.transport_io`
+(socket writes, GSO), :mod:`hosts.transport_flow` (windows, ACKs, timers) and
+:mod:`hosts.transport_receive` (the receive thread)), :mod:`hosts.ring_allreduce`
 (ring all-reduce, tags, repair service), :mod:`hosts.ddp` (``enable_checkmate`` and the
 agent, assembled from :mod:`hosts.ddp_config` (configuration, job file),
 :mod:`hosts.ddp_hook` (the DDP comm hook), :mod:`hosts.ddp_gradients` (clipping, the
