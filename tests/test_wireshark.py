@@ -150,8 +150,10 @@ def _ring(rank: int, world: int, store: str) -> list[tuple[int, int, int, int, i
 
     workers = tuple((f"127.0.0.{96 + r}", CHECKMATE_UDP_PORT) for r in range(world))
     transport = Transport(
+        # gso=False: a capture on the sending host sees a UDP GSO write as one oversized frame
+        # (the kernel splits it after the tap); the datagrams on the wire are what is checked here
         TransportConfig(
-            bind=workers[rank], faults=FaultConfig(seed=5 + rank, send_drop=0.05), peer_timeout=5.0
+            bind=workers[rank], faults=FaultConfig(seed=5 + rank, send_drop=0.05), peer_timeout=5.0, gso=False
         )
     )
     engine = RingAllReduce(
