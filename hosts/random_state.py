@@ -7,11 +7,15 @@ every iteration. Their state is part of what a resumed job needs: pass
 :func:`hosts.resume`. :class:`RandomState` follows PyTorch's ``Stateful`` convention
 (``torch.distributed.checkpoint.stateful.Stateful``) and holds:
 
-* ``torch``: torch's CPU generator (``torch.get_rng_state()``, a uint8 tensor);
+* ``torch``: torch's CPU generator (``torch.get_rng_state()``'s 5056 bytes, packed
+  exactly into 2.5 KiB: :func:`_pack`);
 * ``cuda``: every CUDA device's generator, when CUDA is initialised;
 * ``numpy``: NumPy's global generator (MT19937 key as int32 bits, position, the
-  cached Gaussian), when ``numpy`` is imported;
-* ``python``: Python's ``random`` module (its 625 state words), when imported.
+  cached Gaussian), when ``numpy`` is imported and its state changed since the
+  RandomState was made (a job that never draws from it does not carry 2.5 KiB each
+  iteration; a script that seeds it at start has that state again on resume);
+* ``python``: Python's ``random`` module (its 625 state words as int32 bits), likewise
+  only once it changed.
 
 The job state is taken on rank 0 only, so every rank must draw the same numbers:
 :func:`check_same_on_every_rank` (called by ``enable_checkmate``) compares a hash of
@@ -21,6 +25,7 @@ rank 0's saved state.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import logging
 import random
@@ -48,27 +53,16 @@ class RandomState:
     def __init__(self, name: str = "RandomState") -> None:
         self.name = name
         """How errors name this object."""
+        self._untouched = _optional_states()
+        """NumPy's and Python's states at construction: left out of the state while unchanged."""
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"torch": torch.get_rng_state()}
+        state: dict[str, Any] = {"torch": _pack(torch.get_rng_state())}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = list(torch.cuda.get_rng_state_all())
-        numpy = sys.modules.get("numpy")
-        if numpy is not None:
-            kind, key, pos, has_gauss, cached = numpy.random.get_state()
-            state["numpy"] = {
-                "kind": str(kind),
-                "key": torch.from_numpy(key.astype(numpy.uint32).view(numpy.int32).copy()),
-                "pos": int(pos),
-                "has_gauss": int(has_gauss),
-                "cached_gaussian": float(cached),
-            }
-        version, words, gauss_next = random.getstate()
-        state["python"] = {
-            "version": int(version),
-            "state": torch.tensor(words, dtype=torch.int64),
-            "gauss_next": gauss_next,
-        }
+        for part, now in _optional_states().items():
+            if not _same(now, self._untouched.get(part)):
+                state[part] = now
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -103,7 +97,23 @@ class RandomState:
     def _torch(self, state: Mapping[str, Any]) -> Any:
         if not isinstance(state, Mapping) or "torch" not in state:
             self._fail(f"the state is {_describe(state)} without a 'torch' generator state")
-        value = self._bytes(state["torch"], "'torch'", torch.get_rng_state().numel())
+        packed = state["torch"]
+        if not isinstance(packed, Mapping) or set(packed) != {"low", "high"}:
+            self._fail(f"'torch' is {_describe(packed)}, not {{low, high}}")
+        low, high = packed["low"], packed["high"]
+        words = torch.get_rng_state().numel() // 8
+        if not isinstance(low, torch.Tensor) or low.dtype is not torch.int32 or low.shape != (words,):
+            self._fail(f"'torch' low is {_describe(low)}, not {words} int32 words")
+        if not isinstance(high, list) or not all(
+            isinstance(pair, list)
+            and len(pair) == 2
+            and all(type(v) is int for v in pair)
+            and 0 <= pair[0] < words
+            and -(1 << 31) <= pair[1] < (1 << 31)
+            for pair in high
+        ):
+            self._fail(f"'torch' high is {_describe(high)}, not a list of [word index, int32] pairs")
+        value = _unpack(low, high)
         return lambda: torch.set_rng_state(value)
 
     def _cuda(self, states: Any) -> Any:
@@ -137,12 +147,15 @@ class RandomState:
             self._fail(f"'python' is {_describe(saved)}, not {{version, state, gauss_next}}")
         words = saved["state"]
         size = (MT_WORDS + 1,)
-        if not isinstance(words, torch.Tensor) or words.dtype is not torch.int64 or words.shape != size:
-            self._fail(f"'python' state is {_describe(words)}, not {MT_WORDS + 1} int64 words")
+        if not isinstance(words, torch.Tensor) or words.dtype is not torch.int32 or words.shape != size:
+            self._fail(f"'python' state is {_describe(words)}, not {MT_WORDS + 1} int32 words")
+        if type(saved["version"]) is not int or saved["version"] != random.getstate()[0]:
+            self._fail(f"'python' version is {saved['version']!r}, not {random.getstate()[0]}")
         gauss = saved["gauss_next"]
         if gauss is not None and not isinstance(gauss, float):
             self._fail(f"'python' gauss_next is {_describe(gauss)}, not None or a float")
-        value = (saved["version"], tuple(int(w) for w in words.tolist()), gauss)
+        unsigned = array.array("I", words.contiguous().numpy().tobytes())
+        value = (saved["version"], tuple(unsigned), gauss)
 
         def apply() -> None:
             try:
@@ -151,6 +164,56 @@ class RandomState:
                 self._fail(f"'python' state refused by random.setstate: {exc}")
 
         return apply
+
+
+def _pack(state: torch.Tensor) -> dict[str, Any]:
+    """torch's CPU generator state (5056 bytes: 632 little-endian 64-bit words, the MT19937 words
+    among them, whose high halves are zero) as its 632 low 32-bit halves plus the few nonzero
+    high halves as [index, value]: 2.5 KiB instead of 5 KiB, and exact (:func:`_unpack`)."""
+    words = state.contiguous().clone().view(torch.int32)
+    high = words[1::2]
+    return {
+        "low": words[0::2].clone(),
+        "high": [[int(i), int(high[i])] for i in high.nonzero().flatten().tolist()],
+    }
+
+
+def _unpack(low: torch.Tensor, high: list[list[int]]) -> torch.Tensor:
+    words = torch.zeros(2 * low.numel(), dtype=torch.int32)
+    words[0::2] = low
+    for index, value in high:
+        words[2 * index + 1] = value
+    return words.view(torch.uint8)
+
+
+def _optional_states() -> dict[str, Any]:
+    """NumPy's global generator (when NumPy is imported) and Python's ``random``, encoded."""
+    out: dict[str, Any] = {}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        kind, key, pos, has_gauss, cached = numpy.random.get_state()
+        out["numpy"] = {
+            "kind": str(kind),
+            "key": torch.from_numpy(key.astype(numpy.uint32).view(numpy.int32).copy()),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
+    version, words, gauss_next = random.getstate()
+    out["python"] = {
+        "version": int(version),
+        "state": torch.frombuffer(bytearray(array.array("I", words).tobytes()), dtype=torch.int32),
+        "gauss_next": gauss_next,
+    }
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, Mapping):
+        return isinstance(b, Mapping) and set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
 
 
 def _describe(value: Any) -> str:
