@@ -73,10 +73,11 @@ class RandomState:
         setters = [self._torch(state)]
         if "cuda" in state:
             setters.append(self._cuda(state["cuda"]))
-        if "numpy" in state:
-            setters.append(self._numpy(state["numpy"]))
-        if "python" in state:
-            setters.append(self._python(state["python"]))
+        # absent: unchanged since construction when saved, so back to this object's own start
+        numpy_state = state.get("numpy", self._untouched.get("numpy"))
+        if numpy_state is not None:
+            setters.append(self._numpy(numpy_state))
+        setters.append(self._python(state.get("python", self._untouched["python"])))
         unknown = sorted(set(state) - {"torch", "cuda", "numpy", "python"})
         if unknown:
             self._fail(f"unknown keys {unknown}")

@@ -122,6 +122,12 @@ def test_random_state_round_trips_every_generator() -> None:
     again = (torch.rand(5), numpy.random.rand(5), numpy.random.randn(), random.random())
     assert torch.equal(drawn[0], again[0]) and (drawn[1] == again[1]).all()
     assert drawn[2:] == again[2:]
+    # a state saved before NumPy and Python drew: loading it puts them back where they started
+    fresh = hosts.RandomState()
+    untouched = fresh.state_dict()
+    start = (numpy.random.rand(3), random.random())
+    fresh.load_state_dict(untouched)
+    assert (numpy.random.rand(3) == start[0]).all() and random.random() == start[1]
 
 
 def test_random_state_adds_under_3_kib_per_commit_for_a_torch_only_job() -> None:
