@@ -16,7 +16,8 @@ path to the optimizer step), :mod:`hosts.ddp_commits` (rank 0's job start, commi
 records, fingerprints) and :mod:`hosts.ddp_tp` (DDP over a TP model)),
 :mod:`hosts.control_channel` (rank 0 -> shadows, TCP), :mod:`hosts.recovery` (resume
 from the shadows' memory or disk, through :mod:`checkmate.checkpoint`'s state sources),
-:mod:`hosts.metrics` (Prometheus), :mod:`hosts.faults` (seeded
+:mod:`hosts.random_state` (``hosts.RandomState``: the job's generators as one
+stateful object), :mod:`hosts.metrics` (Prometheus), :mod:`hosts.faults` (seeded
 loss/duplication/reordering for tests), and two benchmarks: :mod:`hosts.benchmark`
 (ring all-reduce and DDP step vs gloo) and :mod:`hosts.auth_benchmark` (what
 authentication costs per TinyLM iteration).
