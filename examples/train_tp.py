@@ -41,16 +41,12 @@ from checkmate.checkpoint.digest import optimizer_digest, parameters_digest
 from checkmate.universal.layout import Layout
 from checkmate.universal.load import load_module
 from checkmate.universal.runs import write_initial
-from checkmate.universal.tiny import TinyConfig, batch, build
+from checkmate.universal.tiny import EVAL_STEP, TinyConfig, batch, build
 from examples.train_lm import JsonLog
 from hosts.ddp_tp import localize_tensor_parallel
 from hosts.recovery import optimizer_states_by_name
 
 logger = logging.getLogger("train_tp")
-
-EVAL_STEP = 10_000
-"""The evaluation batch (``batch(config, EVAL_STEP)``), never trained on."""
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

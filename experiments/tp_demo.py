@@ -257,8 +257,7 @@ class TpDemo:
         from checkmate.universal.layout import Layout
         from checkmate.universal.load import load_module, load_rank
         from checkmate.universal.shadow_merge import lane_steps, merge_lane_snapshots
-        from checkmate.universal.tiny import TinyConfig, batch, build, logical_shapes, tiny_spec
-        from examples.train_tp import EVAL_STEP
+        from checkmate.universal.tiny import EVAL_STEP, TinyConfig, batch, build, logical_shapes, tiny_spec
 
         self.observer.phase("merge", 1)
         roots = [lane.processes.snapshot_dir for lane in self.lanes]

@@ -25,12 +25,7 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 """Top-level package -> the project packages it may import (besides itself)."""
 
-KNOWN: dict[str, str] = {
-    "experiments/tp_demo.py -> examples.train_tp": (
-        "EVAL_STEP, the evaluation batch's index, lives in the TP example script; "
-        "it belongs next to checkmate.universal.tiny's batch()"
-    ),
-}
+KNOWN: dict[str, str] = {}
 """Violations present when this test was written, each with what fixes it; remove an entry once fixed."""
 
 

@@ -205,6 +205,10 @@ def global_names(config: TinyConfig, layout: Layout, rank: int) -> dict[str, str
     return stage_names(tiny_spec(config), sorted(logical_shapes(config)), layout.pp)[layout.coords(rank)[0]]
 
 
+EVAL_STEP = 10_000
+"""The evaluation batch (``batch(config, EVAL_STEP)``): a step index no run trains on."""
+
+
 def batch(config: TinyConfig, step: int) -> torch.Tensor:
     """Global batch of step ``step``: each row t, m*t+1, ... mod vocab (m in 1..3), from a random start."""
     generator = torch.Generator().manual_seed(1000 + step)
