@@ -34,8 +34,9 @@ data position the script set with ``agent.set_data_position`` for it.
 Bit-identical resume needs what an uninterrupted run would have had: with 2
 ranks every element's all-reduce is one addition, so DDP's bucket order does
 not matter; with more ranks call :func:`settle_buckets` at every start (fresh or
-resumed), so every iteration sums in the same order. RNG state is not captured:
-seed per iteration, or hand a Stateful wrapper of your generator in ``stateful``.
+resumed), so every iteration sums in the same order. Random numbers (dropout)
+resume exactly when the job passes :class:`hosts.RandomState` in ``stateful``
+to both ``enable_checkmate`` and :func:`resume` (every rank seeded identically).
 """
 
 from __future__ import annotations
