@@ -128,6 +128,24 @@ class CheckmateHeader:
     def with_flags(self, flags: Flags) -> CheckmateHeader:
         return replace(self, flags=flags)
 
+    def fields(self) -> tuple[int, ...]:
+        """The 13 header fields as ints in wire order (what :func:`decode_data` returns)."""
+        return (
+            self.version,
+            int(self.msg_type),
+            int(self.flags),
+            int(self.dtype),
+            self.job_id,
+            self.iteration,
+            self.bucket_id,
+            self.sender_rank,
+            self.shard_key,
+            0,
+            self.element_offset,
+            self.element_count,
+            self.sequence,
+        )
+
     def pack(self) -> bytes:
         """The header's 32 bytes. Raises WireFormatError if a field does not fit."""
         buf = bytearray(HEADER_BYTES)
@@ -155,23 +173,7 @@ def pack_header_into(buffer: bytearray | memoryview, offset: int, header: Checkm
     if flags & ~KNOWN_FLAGS:
         raise WireFormatError(f"flags 0x{flags:02x} has unknown bits")
     try:
-        _HEADER.pack_into(
-            buffer,
-            offset,
-            header.version,
-            int(header.msg_type),
-            flags,
-            int(header.dtype),
-            header.job_id,
-            header.iteration,
-            header.bucket_id,
-            header.sender_rank,
-            header.shard_key,
-            0,
-            header.element_offset,
-            header.element_count,
-            header.sequence,
-        )
+        _HEADER.pack_into(buffer, offset, *header.fields())
     except struct.error:
         # struct rejects any field out of its range; name the field (the slow path, errors only)
         for name, bits in _FIELD_LIMITS:

@@ -437,22 +437,7 @@ class RingAllReduce:
 
     def _on_data(self, header: CheckmateHeader, payload: memoryview, addr: Addr) -> None:
         """DATA with a header object (the transport uses :meth:`_on_fields`; kept for direct callers)."""
-        fields = (
-            header.version,
-            int(header.msg_type),
-            int(header.flags),
-            int(header.dtype),
-            header.job_id,
-            header.iteration,
-            header.bucket_id,
-            header.sender_rank,
-            header.shard_key,
-            0,
-            header.element_offset,
-            header.element_count,
-            header.sequence,
-        )
-        self._on_fields(fields, payload, addr)
+        self._on_fields(header.fields(), payload, addr)
 
     def _on_fields(self, fields: tuple[int, ...], payload: memoryview, addr: Addr) -> None:
         """One DATA datagram, header as :func:`checkmate.wire.decode_data`'s ints (receive thread)."""

@@ -272,20 +272,9 @@ class FlowControl(TransportIO):
         if job is None:
             return
         ranges = _to_ranges(sorted(flow.ooo)) if flow.ooo else []
-        header = CheckmateHeader(
-            msg_type=MessageType.ACK,
-            job_id=flow.job_id,
-            iteration=0,
-            bucket_id=0,
-            sender_rank=job.rank,
-            element_offset=self.advertised_window,
-            element_count=len(ranges),
-            sequence=flow.cum,
-            dtype=DType.NONE,
-        )
         flow.since_ack = 0
         flow.ack_due = False
-        self._emit((header.pack(), pack_ranges(ranges)), flow.peer)
+        self._emit(self._range_datagram(MessageType.ACK, flow, job.rank, ranges), flow.peer)
         self._counters["acks_sent"] = self._counters.get("acks_sent", 0) + 1
 
     def _send_nack(self, flow: RecvFlow, now: float) -> None:
@@ -304,20 +293,26 @@ class FlowControl(TransportIO):
             start = s + 1
         if not missing:
             return
+        flow.last_nack = now
+        self._emit(self._range_datagram(MessageType.NACK, flow, job.rank, missing), flow.peer)
+        self._counters["nacks_sent"] = self._counters.get("nacks_sent", 0) + 1
+
+    def _range_datagram(
+        self, msg_type: MessageType, flow: RecvFlow, rank: int, ranges: list[tuple[int, int]]
+    ) -> tuple[bytes, bytes]:
+        """An ACK or NACK to ``flow``'s peer: cumulative ack, advertised window, ``ranges``."""
         header = CheckmateHeader(
-            msg_type=MessageType.NACK,
+            msg_type=msg_type,
             job_id=flow.job_id,
             iteration=0,
             bucket_id=0,
-            sender_rank=job.rank,
+            sender_rank=rank,
             element_offset=self.advertised_window,
-            element_count=len(missing),
+            element_count=len(ranges),
             sequence=flow.cum,
             dtype=DType.NONE,
         )
-        flow.last_nack = now
-        self._emit((header.pack(), pack_ranges(missing)), flow.peer)
-        self._counters["nacks_sent"] = self._counters.get("nacks_sent", 0) + 1
+        return header.pack(), pack_ranges(ranges)
 
     def _flush_acks(self) -> None:
         with self._lock:

@@ -188,6 +188,7 @@ def test_the_receive_fast_path_reads_and_refuses_exactly_what_decode_does() -> N
     fields, payload = decode_data(memoryview(good))
     full, full_payload = decode(good)
     assert fields == (1, 1, 0x05, 1, JOB, 3, 1, 2, 0, 0, 4470, 3, 0)
+    assert full.fields() == fields == header.fields()  # what the ring's header-object path hands on
     assert bytes(payload) == bytes(full_payload) and full.element_offset == fields[10]
     bad_version, bad_flags, bad_reserved = bytearray(good), bytearray(good), bytearray(good)
     bad_version[0], bad_flags[2], bad_reserved[19] = 9, 0x80, 1
