@@ -181,7 +181,7 @@ def bench_plot(summary: Mapping[str, Any], path: Path) -> None:
 def scaling_plot(rows: Sequence[Mapping[str, Any]], path: Path, title: str) -> None:
     """Mean iteration time per worker count (a line per workload and system); Checkmate vs. its ideal."""
     plt = _pyplot()
-    fig, (ax_time, ax_ratio) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (ax_time, ax_ratio, ax_share) = plt.subplots(1, 3, figsize=(17, 4.8))
     keys = list(dict.fromkeys((r["workload"], r["system"]) for r in rows))
     for workload, system in keys:
         mine = sorted(
@@ -200,6 +200,10 @@ def scaling_plot(rows: Sequence[Mapping[str, Any]], path: Path, title: str) -> N
             ratios = [(r["workers"], r["ratio_to_ideal"]) for r in mine if r["ratio_to_ideal"] is not None]
             if ratios:
                 ax_ratio.plot(*zip(*ratios, strict=True), marker="o", label=workload)
+            for key, style, what in (("network_share", "-", "network"), ("shadows_share", ":", "shadows")):
+                shares = [(r["workers"], r[key]) for r in mine if r.get(key) is not None]
+                if shares:
+                    ax_share.plot(*zip(*shares, strict=True), style, marker="o", label=f"{workload}: {what}")
     ax_time.set_xlabel("workers")
     ax_time.set_ylabel("mean iteration time (ms)")
     ax_time.set_yscale("log")
@@ -210,6 +214,11 @@ def scaling_plot(rows: Sequence[Mapping[str, Any]], path: Path, title: str) -> N
     ax_ratio.set_ylabel("Checkmate / same-transport ideal (iterations/s)")
     ax_ratio.grid(alpha=0.3)
     ax_ratio.legend(fontsize=7)
+    ax_share.set_xlabel("workers")
+    ax_share.set_ylabel("Checkmate: CPUs busy (switch + softirq; shadows)")
+    ax_share.grid(alpha=0.3)
+    if ax_share.get_legend_handles_labels()[0]:
+        ax_share.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -70,6 +70,7 @@ from typing import Any
 
 from experiments.bench import partition, sweep
 from experiments.bench.config import (
+    DEFAULT_SYSTEMS,
     MAX_WORKERS,
     MIN_WORKERS,
     PLACEMENTS,
@@ -77,7 +78,6 @@ from experiments.bench.config import (
     BenchConfig,
     BenchError,
     all_systems,
-    systems_for,
 )
 from experiments.bench.partition import PartitionError
 from experiments.bench.report import suite_markdown, write_suite
@@ -104,9 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--placement",
-        default="partitioned,colocated",
+        default=None,
         help="comma-separated, of partitioned (workers on --worker-cpus, switch + shadows + supervisor + "
-        "this process on --infra-cpus) and colocated (no pinning); the first one also runs the k sweep",
+        "this process on --infra-cpus) and colocated (no pinning); the first one also runs the k sweep "
+        "(default per workload: "
+        + ", ".join(f"{w.name} {','.join(w.placements)}" for w in WORKLOADS.values())
+        + ")",
     )
     parser.add_argument("--worker-cpus", default=None, help="CPU list for the workers (default: first half)")
     parser.add_argument(
@@ -117,21 +120,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--sweep-k",
-        default="1,2,4,8,16",
-        help=f"checkpoint intervals swept for {', '.join(SWEEP_PEERS)} ('' for no sweep)",
+        default=None,
+        help=f"checkpoint intervals swept for {', '.join(SWEEP_PEERS)} ('' for no sweep; default per "
+        "workload: "
+        + ", ".join(f"{w.name} {','.join(map(str, w.sweep_ks))}" for w in WORKLOADS.values())
+        + ")",
     )
     parser.add_argument(
         "--warmup", type=int, default=defaults.warmup, help="first iterations left out of the rates"
     )
     parser.add_argument("--k", type=int, default=defaults.k, help="the 'every k iterations' baselines")
     parser.add_argument(
-        "--rounds", type=int, default=defaults.rounds, help="runs per system (order alternates)"
+        "--rounds",
+        type=int,
+        default=None,
+        help="runs per system, order alternating (default per workload: "
+        + ", ".join(f"{w.name} {w.rounds}" for w in WORKLOADS.values())
+        + ")",
     )
     parser.add_argument(
         "--systems",
         default="",
-        help="comma-separated names to run (default all): "
-        + ", ".join(systems_for(defaults.k)).replace(str(defaults.k), "K"),
+        help=f"comma-separated names to run, or 'all' (default: {', '.join(DEFAULT_SYSTEMS)}, and the "
+        "swept peers at each k of the sweep); known: "
+        + ", ".join(all_systems(defaults.k)).replace(str(defaults.k), "K"),
     )
     parser.add_argument("--work-dir", type=Path, default=defaults.work_dir)
     parser.add_argument("--json", type=Path, default=defaults.json_out, help="results JSON")
@@ -170,10 +182,16 @@ def config_from(args: argparse.Namespace, command: str) -> BenchConfig:
 
 
 def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
-    """One configuration per (workload, placement), in run order; refuses bad options with a clear message."""
-    systems = tuple(s.strip().replace("K", str(args.k)) for s in args.systems.split(",") if s.strip())
+    """One configuration per (workload, placement), in run order; refuses bad options with a clear message.
+
+    Without ``--rounds``, ``--sweep-k`` or ``--placement`` each workload uses its own
+    (:class:`~experiments.bench.config.Workload`); without ``--systems`` each run has
+    ``DEFAULT_SYSTEMS`` and, in the first placement, the swept peers at every swept k.
+    """
+    chosen = tuple(s.strip().replace("K", str(args.k)) for s in args.systems.split(",") if s.strip())
+    everything = chosen == ("all",)
     workloads = _names(args.workloads, list(WORKLOADS), "--workloads")
-    placements = _names(args.placement, PLACEMENTS, "--placement")
+    given_placements = None if args.placement is None else _names(args.placement, PLACEMENTS, "--placement")
     if not (args.switch_name.isascii() and args.switch_name.isalnum() and 1 <= len(args.switch_name) <= 8):
         raise BenchError(f"--switch-name must be 1-8 letters or digits, got {args.switch_name!r}")
     if not MIN_WORKERS <= args.workers <= MAX_WORKERS:
@@ -184,14 +202,18 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
         raise BenchError(f"--iterations ({args.iterations}) must exceed --warmup ({args.warmup}) + 2")
     if args.iterations is not None and args.iterations > 100_000:
         raise BenchError(f"--iterations ({args.iterations}) is out of range (at most 100000)")
-    if not 1 <= args.k <= sweep.MAX_SWEEP_K or not 1 <= args.rounds <= 100:
+    if not 1 <= args.k <= sweep.MAX_SWEEP_K or (args.rounds is not None and not 1 <= args.rounds <= 100):
         raise BenchError(f"--k must be 1 to {sweep.MAX_SWEEP_K} and --rounds 1 to 100")
     try:
-        sweep_ks = sweep.parse_k_list(args.sweep_k)
+        given_ks = None if args.sweep_k is None else sweep.parse_k_list(args.sweep_k)
     except SweepError as exc:
         raise BenchError(str(exc)) from None
+    placements_of = {
+        name: given_placements if given_placements is not None else WORKLOADS[name].placements
+        for name in workloads
+    }
     cpus = None
-    if "partitioned" in placements:
+    if any("partitioned" in p for p in placements_of.values()):
         try:
             cpus = partition.make_partition(args.worker_cpus, args.infra_cpus)
         except PartitionError as exc:
@@ -204,21 +226,32 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
         iterations = args.iterations if args.iterations is not None else workload.iterations
         if iterations <= args.warmup + 2:
             raise BenchError(f"{name}: {iterations} iterations must exceed --warmup ({args.warmup}) + 2")
+        sweep_ks = given_ks if given_ks is not None else workload.sweep_ks
+        placements = placements_of[name]
         for placement in placements:
             swept = placement == placements[0]
-            mine = systems
-            if systems and not swept:  # the sweep's systems run in the first placement only
-                mine = tuple(
-                    n for n in systems if n in all_systems(args.k) or n not in all_systems(args.k, sweep_ks)
-                )
-                if not mine:
-                    continue
+            ks = sweep_ks if swept else ()
+            if everything:
+                mine: tuple[str, ...] = ()
+            elif chosen:
+                mine = chosen
+                if not swept:  # the sweep's systems run in the first placement only
+                    mine = tuple(
+                        n
+                        for n in chosen
+                        if n in all_systems(args.k) or n not in all_systems(args.k, sweep_ks)
+                    )
+                    if not mine:
+                        continue
+            else:
+                mine = (*DEFAULT_SYSTEMS, *sweep.sweep_system_names(ks))
+                mine = tuple(dict.fromkeys(mine))
             plan.append(
                 BenchConfig(
                     iterations=iterations,
                     warmup=args.warmup,
                     k=args.k,
-                    rounds=args.rounds,
+                    rounds=args.rounds if args.rounds is not None else workload.rounds,
                     systems=mine,
                     work_dir=args.work_dir,
                     json_out=args.json,
@@ -231,7 +264,7 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
                     workload=name,
                     placement=placement,
                     partition=cpus if placement == "partitioned" else None,
-                    sweep_ks=sweep_ks if swept else (),
+                    sweep_ks=ks,
                     global_batch=workload.per_worker_batch * args.workers,
                     model_args=workload.model_args,
                 )

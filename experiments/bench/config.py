@@ -110,6 +110,12 @@ class Workload:
     per_worker_batch: int
     iterations: int
     """Iterations per run unless --iterations says otherwise."""
+    rounds: int = 2
+    """Runs per system unless --rounds says otherwise."""
+    sweep_ks: tuple[int, ...] = (1, 2, 4, 8, 16)
+    """The k sweep unless --sweep-k says otherwise (each k needs warmup + 3k + 2 iterations)."""
+    placements: tuple[str, ...] = ("partitioned", "colocated")
+    """The placements unless --placement says otherwise (the first also runs the sweep)."""
 
 
 WORKLOADS = {
@@ -120,13 +126,21 @@ WORKLOADS = {
         Workload("large-state", "TinyLM widened to width 768, 3 layers, 12 heads (~21.7M parameters, "
                  "~260 MB of parameters + AdamW state), 1 sample of 32 bytes per worker, 8 MB buckets",
                  ("--width", "768", "--layers", "3", "--heads", "12", "--context", "32",
-                  "--bucket-cap-mb", "8"), 1, 30),
+                  "--bucket-cap-mb", "8"), 1, 30,
+                 rounds=1, sweep_ks=(1, 2, 4, 8), placements=("partitioned",)),
         Workload("medium", "TinyLM at width 256, 4 layers, 8 heads (~3.2M parameters), 4 samples of 64 bytes "
                  "per worker, 2 MB buckets (the scaling sweep's middle size)",
                  ("--width", "256", "--layers", "4", "--heads", "8", "--bucket-cap-mb", "2"), 4, 60),
     )
 }  # fmt: skip
 PLACEMENTS = ("partitioned", "colocated")
+
+DEFAULT_SYSTEMS = (
+    "ideal-gloo", "ideal-cm-transport", "checkmate", "host-replication",
+    "torch-save-1", "checkfreq-1", "dcp-async-1", "dcp-process-1",
+)  # fmt: skip
+"""What ``make bench`` runs without --systems: both ideals, Checkmate and every peer checkpointing every
+iteration; the sweep adds each swept peer at its other k (``--systems all``: every known system)."""
 MIN_WORKERS, MAX_WORKERS = 2, 6
 
 

@@ -21,11 +21,15 @@ from typing import Any
 
 from experiments.bench import sweep
 from experiments.bench.config import WORKLOADS, BenchConfig, BenchError
+from experiments.bench.cpu_time import mean_shares
 from experiments.bench.figures import LogFigures, frequency_targets, summarize, targets
 from experiments.plots import bench_plot, save_atomically
 
 TABLE_BEGIN = "<!-- bench-table:begin -->"
 TABLE_END = "<!-- bench-table:end -->"
+HEADLINE_BEGIN = "<!-- bench-headline:begin -->"
+HEADLINE_END = "<!-- bench-headline:end -->"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def machine_info() -> dict[str, Any]:
@@ -79,16 +83,19 @@ def markdown_table(entries: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_docs_table(path: Path, table: str, header: str) -> bool:
-    """Replace the text between the bench-table markers in ``path``; False when it has none."""
+def update_docs_table(
+    path: Path, table: str, header: str, markers: tuple[str, str] = (TABLE_BEGIN, TABLE_END)
+) -> bool:
+    """Replace the text between the ``markers`` (the bench-table ones) in ``path``; False when it has none."""
+    start, stop = markers
     try:
         text = path.read_text()
     except OSError:
         return False
-    begin, end = text.find(TABLE_BEGIN), text.find(TABLE_END)
+    begin, end = text.find(start), text.find(stop)
     if begin < 0 or end < begin:
         return False
-    atomic_write_text(path, text[: begin + len(TABLE_BEGIN)] + "\n" + header + "\n\n" + table + text[end:])
+    atomic_write_text(path, text[: begin + len(start)] + "\n" + header + "\n\n" + table + text[end:])
     return True
 
 
@@ -114,6 +121,8 @@ class BenchResult:
     placement: dict[str, Any] = field(default_factory=dict)
     """System -> the CPU lists read back from /proc while it ran (role -> processes)."""
     placement_problems: list[str] = field(default_factory=list)
+    cpu: dict[str, list[dict[str, Any] | None]] = field(default_factory=dict)
+    """System -> per round, where the CPU time went (:func:`experiments.bench.cpu_time.cpu_shares`)."""
 
     def summary(self) -> dict[str, Any]:
         known = self.config.known()
@@ -124,6 +133,9 @@ class BenchResult:
             for name in ("ideal-gloo", "ideal-cm-transport")
         }
         entries = {name: summarize(known[name], figs, ideals) for name, figs in self.runs.items() if figs}
+        for name, per_round in self.cpu.items():
+            if name in entries:
+                entries[name]["cpu_time"] = mean_shares(per_round)
         for name, copies in self.switch_copies.items():
             if name in entries:
                 entries[name]["switch_shadow_copies_packets"] = copies
@@ -241,18 +253,96 @@ def placement_table(summaries: Sequence[Mapping[str, Any]], workload: str) -> st
     return "\n".join(lines) + "\n"
 
 
+def cpu_table(run: Mapping[str, Any]) -> str:
+    """Where one run's CPU time went, per system (``cpu_time``; :mod:`experiments.bench.cpu_time`)."""
+    lines = [
+        "| system | workers' CPUs busy | infrastructure CPUs busy (softirq) | switch CPU | shadows CPU | "
+        "shadows CPU ms per iteration |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for entry in run["systems"]:
+        cpu = entry.get("cpu_time")
+        if not cpu:
+            lines.append(f"| {entry['name']} | — | — | — | — | — |")
+            continue
+        sets, roles = cpu.get("cpu_sets", {}), cpu.get("roles", {})
+        workers = sets.get("workers") or sets.get("all")
+        infra = sets.get("infrastructure")
+
+        def pct(value: Any) -> str:
+            return "—" if value is None else f"{100 * value:.0f} %"
+
+        infra_text = "—" if infra is None else f"{pct(infra['busy'])} ({pct(infra['softirq'])})"
+        shadows = roles.get("shadows", {})
+        has_shadows = bool(shadows.get("processes"))
+        lines.append(
+            f"| {entry['name']} | {pct(workers and workers['busy'])} | {infra_text} | "
+            f"{pct(roles.get('switch', {}).get('cpu_s_per_s'))} | "
+            f"{pct(shadows.get('cpu_s_per_s')) if has_shadows else '—'} | "
+            f"{shadows.get('cpu_ms_per_iteration') if has_shadows else '—'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def targets_markdown(summary: Mapping[str, Any]) -> str:
+    """Every run's targets as a list: the measured figure, the target, met or not (never assumed)."""
+
+    def verdict(met: Any) -> str:
+        return "**met**" if met is True else "**not met**" if met is False else "undecided"
+
+    lines: list[str] = []
+    for run in summary["runs"]:
+        where = f"{run['workload']}, {run['placement']}"
+        goals = run.get("targets", {})
+        for key, what in (
+            ("vs_same_transport_ideal", "its same-transport ideal"),
+            ("vs_gloo_ideal", "gloo's"),
+        ):
+            goal = goals.get(key)
+            if goal:
+                lines.append(
+                    f"- {where}: Checkmate at {goal['ratio']:.3f}x {what} (target {goal['target']}): "
+                    f"{verdict(goal['met'])}"
+                )
+        for name, goal in goals.get("vs_every_iteration_systems", {}).items():
+            bound = goal.get("at_zero_cost")
+            lines.append(
+                f"- {where}: Checkmate {goal['speedup']:.3f}x `{name}` (target {goal['target']}x): "
+                f"{verdict(goal['met'])}"
+                + ("" if bound is None else f"; a Checkmate that cost nothing would be {bound:.3f}x")
+            )
+        for peer, goal in goals.get("more_often_at_equal_throughput", {}).items():
+            times = goal.get("times_more_often")
+            shown = f"{times:g}x" if times is not None else f">= {goal.get('at_least', 0):g}x"
+            lines.append(
+                f"- {where}: Checkmate checkpoints {shown} more often than `{peer}` at equal throughput "
+                f"(target {goal['target']:g}x): {verdict(goal['met'])}"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def suite_markdown(summary: Mapping[str, Any]) -> str:
-    """docs/benchmarks.md's generated section: per workload the placement table and the k sweep."""
+    """docs/benchmarks.md's generated section: the targets, then per workload the placement table, the k
+    sweep and where the CPU time went."""
     runs = summary["runs"]
-    parts: list[str] = []
+    parts: list[str] = ["Against issue 19's targets:\n\n" + targets_markdown(summary)]
     for workload in dict.fromkeys(r["workload"] for r in runs):
         mine = [r for r in runs if r["workload"] == workload]
-        parts.append(f"**{workload}** — {mine[0]['settings']['model']}\n\n" + placement_table(mine, workload))
+        settings = mine[0]["settings"]
+        parts.append(
+            f"**{workload}** — {settings['model']}; {settings['rounds']} round(s) x >= "
+            f"{settings['iterations_per_run']} iterations per system\n\n" + placement_table(mine, workload)
+        )
         for run in mine:
             if run["settings"].get("sweep_k") and any(k != "checkmate" for k in run.get("sweep", {})):
                 parts.append(
                     f"Checkpoint interval sweep ({workload}, {run['placement']}, k in "
                     f"{run['settings']['sweep_k']}):\n\n" + sweep.markdown(run["sweep"])
+                )
+            if any(e.get("cpu_time") for e in run["systems"]):
+                parts.append(
+                    f"Where the CPU time went ({workload}, {run['placement']}; CPU-seconds per second of the "
+                    "steady state, 100 % = one CPU):\n\n" + cpu_table(run)
                 )
             if run["cpu_placement"]["problems"]:
                 parts.append(
@@ -285,4 +375,6 @@ def write_suite(
             f"first run; {summary['seconds']} s in all."
         )
         update_docs_table(config.docs, suite_markdown(summary), header)
+        if config.docs.resolve().parent == README.parent / "docs":  # the project's own docs: its README too
+            update_docs_table(README, targets_markdown(summary), header, (HEADLINE_BEGIN, HEADLINE_END))
     return summary

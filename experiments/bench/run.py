@@ -9,7 +9,8 @@ figures from rank 0's log (:func:`experiments.bench.figures.figures`). Two
 :class:`~experiments.job.JobHooks` do the rest: ``launch`` gives each run its
 system's train_lm options, environment and CPU pinning; ``iteration`` reads
 back, once past the warmup, which CPUs every process of the run may use
-(:mod:`experiments.bench.partition`). The network goes down at the end, also
+(:mod:`experiments.bench.partition`) and counts, from then on, the CPU time of
+each role and CPU set (:mod:`experiments.bench.cpu_time`). The network goes down at the end, also
 after a failure.
 """
 
@@ -26,6 +27,7 @@ from typing import Any
 
 from experiments.bench import partition
 from experiments.bench.config import BASELINE_KINDS, GLOO, BenchConfig, System, worker_names
+from experiments.bench.cpu_time import CpuClock
 from experiments.bench.figures import LogFigures, figures, read_log
 from experiments.bench.report import BenchResult, atomic_write_text, machine_info
 from experiments.commands import REPO, JobError
@@ -91,6 +93,7 @@ class BenchRun:
         self._job_at_switch = False
         self._result: BenchResult | None = None
         self._sampled = False
+        self._clock = CpuClock()
 
     def run_all(self) -> BenchResult:
         """Every selected system, ``rounds`` times (later rounds in alternating order); teardown always."""
@@ -131,6 +134,7 @@ class BenchRun:
         self._system = system
         self.renamer.current = f"{system.name} ({round_number + 1}/{self.bench.rounds})"
         self._sampled = False
+        self._clock = CpuClock()
         self._log_dir = job.log_dir / f"round{round_number + 1}-{system.name}"
         shutil.rmtree(self._log_dir, ignore_errors=True)
         self._log_dir.mkdir(parents=True, exist_ok=True)
@@ -152,6 +156,7 @@ class BenchRun:
         finally:
             if job.shadows:
                 job.shadows.stop()
+        result.cpu.setdefault(system.name, []).append(self._clock.shares(self._cpu_sets()))
         return figures(read_log(self._log_dir / "rank0.jsonl"), system, self.bench.warmup)
 
     def _run_iterations(self, system: System) -> int:
@@ -185,13 +190,28 @@ class BenchRun:
         return replace(launch, command=command, env=env)
 
     def _on_iteration(self, series: str, incarnation: int, record: dict[str, Any]) -> None:
-        """Once past the warmup, read back where every process of this run may run."""
-        if not self._sampled and int(record.get("iteration", -1)) >= self.bench.warmup:
-            self._sampled = True
-            try:
-                self._sample_placement()
-            except (OSError, ValueError) as exc:  # a process that ended while being read
-                logger.warning("reading back the CPU placement: %s", exc)
+        """Once past the warmup, read back where every process of this run may run and start counting
+        its CPU time (:mod:`experiments.bench.cpu_time`); later, sample that CPU time."""
+        iteration = int(record.get("iteration", -1))
+        if iteration < self.bench.warmup:
+            return
+        if self._sampled:
+            last = self._system is not None and iteration >= self._run_iterations(self._system) - 1
+            self._clock.tick(iteration, final=last)
+            return
+        self._sampled = True
+        try:
+            roles = self._placement_roles()
+            self._sample_placement(roles)
+            self._clock.start(roles, iteration)
+        except (OSError, ValueError) as exc:  # a process that ended while being read
+            logger.warning("reading back the CPU placement: %s", exc)
+
+    def _cpu_sets(self) -> dict[str, frozenset[int]]:
+        pinned = self.bench.partition
+        if self.bench.placement == "partitioned" and pinned is not None:
+            return {"workers": pinned.workers, "infrastructure": pinned.infrastructure}
+        return {"all": partition.available_cpus()}
 
     # ---- CPU placement ------------------------------------------------------------------------
     def _placement_roles(self) -> dict[str, list[int]]:
@@ -221,11 +241,11 @@ class BenchRun:
         roles["bench"] = [os.getpid()]
         return roles
 
-    def _sample_placement(self) -> None:
+    def _sample_placement(self, roles: dict[str, list[int]]) -> None:
         result, system = self._result, self._system
         if result is None or system is None or system.name in result.placement:
             return
-        observed = partition.read_back(self._placement_roles())
+        observed = partition.read_back(roles)
         result.placement[system.name] = observed
         pinned = self.bench.partition
         if self.bench.placement == "partitioned" and pinned is not None:

@@ -11,8 +11,10 @@ ratio to its same-transport ideal), each file written atomically; nothing is wri
 when the run is interrupted. More than 4 workers use a copy of ``single.json`` with
 h5, h6 added (:func:`experiments.bench.run.scaled_topology`).
 
-Not measured here: the network's and the shadows' share of an iteration (the issue
-asks for them; they need a profile of the transport and the shadows, not these logs).
+Each row also has the network's and the shadows' share of the time (:func:`time_shares`,
+from the CPU accounting of :mod:`experiments.bench.cpu_time`): the switch's CPU plus the
+infrastructure CPUs' softirq, the shadows' CPU (each in CPUs: 1.0 is one CPU busy the
+whole time) and the workers' CPUs' busy fraction; the plot's third panel shows them.
 """
 
 from __future__ import annotations
@@ -117,9 +119,36 @@ def rows_from(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
             "iterations_per_s": entry["iterations_per_s"],
             "ratio_to_ideal": entry["ratio_to_ideal"],
             "ratio_to_gloo_ideal": entry["ratio_to_gloo_ideal"],
+            **time_shares(entry.get("cpu_time")),
         }
         for entry in summary["systems"]
     ]
+
+
+def time_shares(cpu_time: Mapping[str, Any] | None) -> dict[str, float | None]:
+    """The network's and the shadows' share of the time, from one entry's ``cpu_time``.
+
+    ``network_share``: the switch's CPU-seconds per second plus the infrastructure CPUs' softirq
+    (the kernel's packet delivery of the emulated network), as a fraction of one CPU;
+    ``shadows_share``: the shadows' CPU-seconds per second; ``workers_busy``: the busy fraction of
+    the workers' CPUs (1 - it is the time they wait). None where not measured.
+    """
+    out: dict[str, float | None] = {"network_share": None, "shadows_share": None, "workers_busy": None}
+    if not cpu_time:
+        return out
+    roles = cpu_time.get("roles", {})
+    sets = cpu_time.get("cpu_sets", {})
+    infra = sets.get("infrastructure") or sets.get("all")
+    switch = roles.get("switch", {}).get("cpu_s_per_s")
+    if switch is not None and infra is not None:
+        cpus = len(str(infra["cpus"]).split(","))
+        out["network_share"] = round(switch + infra["softirq"] * cpus, 3)
+    if roles.get("shadows", {}).get("processes"):
+        out["shadows_share"] = roles["shadows"]["cpu_s_per_s"]
+    workers = sets.get("workers") or sets.get("all")
+    if workers is not None:
+        out["workers_busy"] = workers["busy"]
+    return out
 
 
 def write(
@@ -130,7 +159,6 @@ def write(
         "runs": runs,
         "command": " ".join(["python -m experiments.bench.scaling", *args.given]),
         "seconds": round(seconds, 1),
-        "not_measured": "the network's and the shadows' share of an iteration",
     }
     atomic_write_text(args.json, json.dumps(document, indent=2) + "\n")
     load = runs[0]["machine"].get("load_average_at_start") if runs else None

@@ -39,6 +39,11 @@ class SweepError(ValueError):
     """A k list that cannot be swept; the message says why."""
 
 
+def sweep_system_names(ks: Sequence[int]) -> tuple[str, ...]:
+    """The systems a sweep over ``ks`` runs: ``<peer>-<k>`` for each swept peer and k."""
+    return tuple(f"{peer}-{k}" for peer in SWEEP_PEERS for k in ks)
+
+
 def parse_k_list(text: str) -> tuple[int, ...]:
     """``"1,2,4,8"`` -> (1, 2, 4, 8): positive, distinct, at most MAX_SWEEP_K; sorted."""
     values: list[int] = []

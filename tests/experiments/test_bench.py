@@ -216,5 +216,9 @@ def test_bench_harness_smoke(tmp_path: Path) -> None:
     assert set(by_name) == {"ideal-gloo", "checkmate", "torch-save-3"}
     assert by_name["checkmate"]["switch_shadow_copies_packets"] > 0
     assert by_name["checkmate"]["shadow_lag_iterations"]["max"] <= 2
+    cpu = by_name["checkmate"]["cpu_time"]  # where the CPU time went, read from /proc while it trained
+    assert cpu["roles"]["shadows"]["processes"] == 2 and cpu["roles"]["shadows"]["cpu_s_per_s"] > 0
+    assert cpu["roles"]["switch"]["cpu_s_per_s"] > 0 and cpu["roles"]["workers"]["processes"] >= 3
+    assert by_name["ideal-gloo"]["cpu_time"]["roles"]["shadows"]["processes"] == 0
     assert by_name["torch-save-3"]["checkpoints_measured"] >= 2
     assert (config.work_dir / "checkpoints" / "torch-save-3" / "checkpoint.pt").exists()

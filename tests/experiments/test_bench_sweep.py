@@ -11,7 +11,7 @@ import pytest
 
 from experiments.bench import cli as bench
 from experiments.bench.cli import build_parser, plan_from
-from experiments.bench.config import BenchConfig, BenchError
+from experiments.bench.config import DEFAULT_SYSTEMS, BenchConfig, BenchError
 from experiments.bench.figures import LogFigures, frequency_targets
 from experiments.bench.partition import CpuPartition
 from experiments.bench.report import TABLE_BEGIN, TABLE_END, BenchResult, atomic_write_text, write_suite
@@ -151,7 +151,9 @@ def _plan(*argv: str) -> list[BenchConfig]:
 
 
 def test_plan_runs_each_workload_in_each_placement() -> None:
-    plan = _plan("--worker-cpus", "0", "--infra-cpus", "1", "--sweep-k", "1,4")
+    plan = _plan(
+        "--worker-cpus", "0", "--infra-cpus", "1", "--sweep-k", "1,4", "--placement", "partitioned,colocated"
+    )
     assert [(c.workload, c.placement) for c in plan] == [
         ("tinylm", "partitioned"),
         ("tinylm", "colocated"),
@@ -172,6 +174,24 @@ def test_plan_runs_each_workload_in_each_placement() -> None:
     assert [c.placement for c in only_swept] == ["partitioned"]
     five = _plan("--workers", "5", "--placement", "colocated", "--workloads", "tinylm")
     assert five[0].global_batch == 80 and five[0].workers == 5
+
+
+def test_default_plan_uses_each_workloads_own_rounds_sweep_and_placements() -> None:
+    plan = _plan("--worker-cpus", "0", "--infra-cpus", "1")
+    assert [(c.workload, c.placement, c.rounds, c.sweep_ks) for c in plan] == [
+        ("tinylm", "partitioned", 2, (1, 2, 4, 8, 16)),
+        ("tinylm", "colocated", 2, ()),
+        ("large-state", "partitioned", 1, (1, 2, 4, 8)),
+    ]
+    first, colocated, large = (list(c.systems) for c in plan)
+    assert first[: len(DEFAULT_SYSTEMS)] == list(DEFAULT_SYSTEMS) and colocated == list(DEFAULT_SYSTEMS)
+    assert "torch-save-10" not in first and {"torch-save-16", "dcp-process-2", "checkfreq-8"} <= set(first)
+    assert len(first) == len(set(first)) == len(DEFAULT_SYSTEMS) + 3 * 4  # k = 1 runs once
+    assert "checkfreq-16" not in large and "checkfreq-8" in large
+    given = _plan("--rounds", "3", "--sweep-k", "", "--placement", "colocated")
+    assert [(c.workload, c.rounds, c.sweep_ks) for c in given] == [("tinylm", 3, ()), ("large-state", 3, ())]
+    everything = _plan("--systems", "all", "--workloads", "tinylm", "--placement", "colocated", "--k", "10")
+    assert "torch-save-10" in [s.name for s in everything[0].selected()]
 
 
 @pytest.mark.parametrize(
