@@ -8,9 +8,9 @@ element (an element lies within one word, so the word, and the sum, change by
 a nonzero amount below 2**64), so a shadow whose parameters or optimizer state
 drift by one ulp anywhere sees a different number. It is not a cryptographic
 hash: it cannot tell permuted words apart, which no optimizer bug or missed
-gradient transformation produces. A fingerprint costs one copy of the bytes and
-one native-width integer pass over them for all its tensors together (measured
-in ``python -m shadow.benchmark --fingerprint``). Rank 0 and the shadows run this
+gradient transformation produces. A fingerprint costs
+one native-width integer pass over the bytes of each tensor, without copying them
+(measured in ``python -m shadow.benchmark --fingerprint``). Rank 0 and the shadows run this
 same function on the same byte order (the shadows replay on the workers' CPU type).
 
 A fingerprint is ``{parameter name: {"param": checksum, <optimizer state key>: checksum}}``
@@ -31,41 +31,29 @@ logger = logging.getLogger(__name__)
 PARAM = "param"
 
 _MASK = (1 << 64) - 1
-_PADS = [torch.zeros(n, dtype=torch.uint8) for n in range(8)]
 
 
 def checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
     """Each tensor's sum of its bytes as 64-bit words, modulo 2**64 (see the module docstring).
 
-    All at once: the tensors' bytes (each zero-padded to whole words) are concatenated
-    once and summed per tensor by one ``numpy.add.reduceat`` (its unsigned sum wraps
-    modulo 2**64), so the cost is one copy and one pass, not a dozen calls per tensor.
+    Tensor by tensor, in place: the whole words of a (contiguous) tensor's bytes are
+    summed by one ``numpy.add.reduce`` over a uint64 view of its memory (an unsigned sum
+    that wraps modulo 2**64), and a last partial word is added zero-padded. No bytes are
+    copied; a 356 MB state takes ~30-60 ms on one core (an earlier version concatenated
+    all tensors first and took ~0.8 s).
     """
-    pieces: list[torch.Tensor] = []
-    offsets: list[int] = []
-    which: list[int] = []
-    words = 0
-    for i, tensor in enumerate(tensors):
+    out: list[int] = []
+    for tensor in tensors:
         flat = tensor.detach()
         if flat.device.type != "cpu":
             flat = flat.to("cpu")
         flat = flat.reshape(-1)  # a view when contiguous (one copy otherwise)
-        data = flat if flat.dtype is torch.uint8 else flat.view(torch.uint8)
-        if data.numel() == 0:
-            continue  # its checksum is 0
-        pad = -data.numel() % 8
-        pieces.append(data)
-        if pad:
-            pieces.append(_PADS[pad])
-        offsets.append(words)
-        which.append(i)
-        words += (data.numel() + pad) // 8
-    out = [0] * len(tensors)
-    if pieces:
-        joined = torch.cat(pieces).numpy().view(numpy.uint64)
-        sums = numpy.add.reduceat(joined, numpy.asarray(offsets, dtype=numpy.intp), dtype=numpy.uint64)
-        for i, total in zip(which, sums.tolist(), strict=True):
-            out[i] = int(total) & _MASK
+        data = (flat if flat.dtype is torch.uint8 else flat.view(torch.uint8)).numpy()
+        whole = data.size - data.size % 8
+        total = int(numpy.add.reduce(data[:whole].view(numpy.uint64), dtype=numpy.uint64)) if whole else 0
+        if whole < data.size:
+            total += int.from_bytes(data[whole:].tobytes(), "little")  # zero-padded on the high side
+        out.append(total & _MASK)
     return out
 
 

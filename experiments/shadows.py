@@ -56,6 +56,10 @@ class ShadowProcesses:
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.hosts: dict[str, str] = {name: name for name in config.shadows}
         """The job's shadows now: name -> the host it runs in."""
+        self.snapshot_every = 1
+        """``--snapshot-every`` of the shadows started from now on (0: never by count)."""
+        self.snapshot_seconds = 0.0
+        """``--snapshot-seconds`` of the shadows started from now on (0: never by time)."""
 
     def __bool__(self) -> bool:
         """Whether any shadow process was started and not yet stopped."""
@@ -75,7 +79,8 @@ class ShadowProcesses:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         argv = [config.python, "-c", SHADOW_BOOT, "run", "--name", name, "--job-id", str(config.job_id)]
         argv += ["--control", f"{ip}:{DEFAULT_CONTROL_PORT}", "--data", f"{ip}:{CHECKMATE_UDP_PORT}"]
-        argv += ["--snapshot-dir", str(self.snapshot_dir), "--snapshot-every", "1"]
+        argv += ["--snapshot-dir", str(self.snapshot_dir), "--snapshot-every", str(self.snapshot_every)]
+        argv += ["--snapshot-seconds", str(self.snapshot_seconds)]
         argv += ["--keep", str(config.snapshot_keep)]
         if resume:
             argv.append("--resume")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.bench import sweep
-from experiments.bench.config import WORKLOADS, BenchConfig, BenchError
+from experiments.bench.config import SHADOW_DISK, WORKLOADS, BenchConfig, BenchError
 from experiments.bench.cpu_time import mean_shares
 from experiments.bench.figures import LogFigures, frequency_targets, summarize, targets
 from experiments.plots import bench_plot, save_atomically
@@ -169,6 +169,7 @@ class BenchResult:
                 "model_args": list(self.config.model_args),
                 "sweep_k": list(self.config.sweep_ks),
                 "network": f"topologies/single.json on the {self.config.target} target (Mininet)",
+                "shadows_disk_tier": " ".join(SHADOW_DISK.split()),
             },
             "machine": self.machine,
             "command": self.config.command,

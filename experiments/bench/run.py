@@ -147,6 +147,8 @@ class BenchRun:
         if system.shadows:
             shutil.rmtree(job.snapshot_dir, ignore_errors=True)
             job.shadows.log_dir = self._log_dir
+            job.shadows.snapshot_every = system.shadow_disk_every
+            job.shadows.snapshot_seconds = system.shadow_disk_seconds
             job.start_shadows()
         series = RunSeries("main")
         try:

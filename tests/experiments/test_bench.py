@@ -125,6 +125,7 @@ def _result(tmp_path: Path) -> BenchResult:
         "ideal-gloo": [_figs(10.0), _figs(12.0)],
         "ideal-cm-transport": [_figs(8.0)],
         "checkmate": [_figs(7.8, 1.0)],
+        "checkmate-disk-1": [_figs(7.0, 1.0)],
         "host-replication": [_figs(6.5, 1.0)],
         "torch-save-1": [_figs(5.0, 0.0)],
         "torch-save-10": [_figs(10.5, 0.0)],
@@ -164,6 +165,7 @@ def test_summary_schema_ratios_and_targets(tmp_path: Path) -> None:
     every = targets["vs_every_iteration_systems"]
     assert set(every) == {"host-replication", "torch-save-1", "dcp-async-1"}
     assert every["torch-save-1"]["met"] is True and every["host-replication"]["met"] is False
+    assert every["torch-save-1"]["at_zero_cost"] == pytest.approx(8.0 / 5.0, abs=1e-3)  # its ideal / the peer
     text = docs.read_text()
     assert "old table" not in text and "| checkmate | checkmate-udp |" in text and text.endswith("reading\n")
     assert summary["settings"]["k"] == 10 and summary["command"] == "make bench"
