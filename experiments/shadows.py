@@ -60,6 +60,8 @@ class ShadowProcesses:
         """``--snapshot-every`` of the shadows started from now on (0: never by count)."""
         self.snapshot_seconds = 0.0
         """``--snapshot-seconds`` of the shadows started from now on (0: never by time)."""
+        self.nice = 0
+        """Niceness of the shadows started from now on (``nice -n``; 0: as this process)."""
 
     def __bool__(self) -> bool:
         """Whether any shadow process was started and not yet stopped."""
@@ -78,6 +80,8 @@ class ShadowProcesses:
         self.snapshot_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         argv = [config.python, "-c", SHADOW_BOOT, "run", "--name", name, "--job-id", str(config.job_id)]
+        if self.nice:
+            argv = ["nice", "-n", str(self.nice), *argv]
         argv += ["--control", f"{ip}:{DEFAULT_CONTROL_PORT}", "--data", f"{ip}:{CHECKMATE_UDP_PORT}"]
         argv += ["--snapshot-dir", str(self.snapshot_dir), "--snapshot-every", str(self.snapshot_every)]
         argv += ["--snapshot-seconds", str(self.snapshot_seconds)]

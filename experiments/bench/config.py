@@ -149,6 +149,12 @@ CPU with the software switch that stands in for switch hardware, so writing 130 
 iteration slows the switch. `checkmate` and `host-replication` persist every 30 s;
 `checkmate-disk-1` every iteration shows what that artifact costs."""
 
+SHADOW_NICE = 10
+"""Partitioned only: the shadows' niceness on the infrastructure CPUs, where the software switch stands in
+for switch hardware (which never waits for a shadow host's CPU): under contention the switch gets ~90 %
+of a CPU the shadows also want (CFS weights 1024 : 110). A shadow that cannot keep up shows in the
+results as lag and uncertified iterations, not as a slower switch."""
+
 DEFAULT_SYSTEMS = (
     "ideal-gloo", "ideal-cm-transport", "checkmate", "checkmate-disk-1", "host-replication",
     "torch-save-1", "checkfreq-1", "dcp-async-1", "dcp-process-1",

@@ -12,7 +12,8 @@ all ticks). :func:`cpu_shares` turns the first and the last sample into what
 * per CPU set (``workers`` / ``infrastructure`` when partitioned, ``all``
   co-located), the ``busy`` fraction and its ``softirq`` part — the kernel's
   packet processing of the emulated network (veth delivery, UDP receive) is
-  charged there, to no process.
+  charged there, to no process — and ``steal`` (the hypervisor ran another
+  machine; a source of run-to-run noise on a virtual machine).
 
 The network's share of an iteration is then the switch's CPU plus the
 infrastructure set's softirq; the shadows' share is their CPU; the workers'
@@ -56,6 +57,8 @@ class CpuTicks:
     busy: int
     softirq: int
     total: int
+    steal: int = 0
+    """Time the hypervisor ran something else while this CPU had work (counted in ``busy``)."""
 
 
 def cpu_ticks(proc: Path = PROC) -> dict[int, CpuTicks]:
@@ -75,7 +78,7 @@ def cpu_ticks(proc: Path = PROC) -> dict[int, CpuTicks]:
         except ValueError:
             continue
         busy = user + nice + system + irq + softirq + steal
-        out[cpu] = CpuTicks(busy=busy, softirq=softirq, total=busy + idle + iowait)
+        out[cpu] = CpuTicks(busy=busy, softirq=softirq, total=busy + idle + iowait, steal=steal)
     return out
 
 
@@ -124,10 +127,12 @@ def cpu_shares(
             continue
         busy = sum(last.cpus[c].busy - first.cpus[c].busy for c in chosen)
         softirq = sum(last.cpus[c].softirq - first.cpus[c].softirq for c in chosen)
+        steal = sum(last.cpus[c].steal - first.cpus[c].steal for c in chosen)
         sets[name] = {
             "cpus": ",".join(str(c) for c in chosen),
             "busy": round(busy / total, 3),
             "softirq": round(softirq / total, 3),
+            "steal": round(steal / total, 3),
         }
     return {"seconds": round(seconds, 2), "iterations": iterations, "roles": roles, "cpu_sets": sets}
 

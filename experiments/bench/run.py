@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 from experiments.bench import partition
-from experiments.bench.config import BASELINE_KINDS, GLOO, BenchConfig, System, worker_names
+from experiments.bench.config import BASELINE_KINDS, GLOO, SHADOW_NICE, BenchConfig, System, worker_names
 from experiments.bench.cpu_time import CpuClock
 from experiments.bench.figures import LogFigures, figures, read_log
 from experiments.bench.report import BenchResult, atomic_write_text, machine_info
@@ -149,6 +149,7 @@ class BenchRun:
             job.shadows.log_dir = self._log_dir
             job.shadows.snapshot_every = system.shadow_disk_every
             job.shadows.snapshot_seconds = system.shadow_disk_seconds
+            job.shadows.nice = SHADOW_NICE if self.bench.placement == "partitioned" else 0
             job.start_shadows()
         series = RunSeries("main")
         try:

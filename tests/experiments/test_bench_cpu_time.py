@@ -41,6 +41,8 @@ def test_cpu_ticks_read_every_cpu_line(tmp_path: Path) -> None:
     )
     ticks = cpu_ticks(tmp_path)
     assert ticks == {0: CpuTicks(busy=175, softirq=20, total=985), 1: CpuTicks(busy=16, softirq=1, total=916)}
+    (tmp_path / "stat").write_text("cpu0 100 0 50 800 10 5 20 7 0 0\n")
+    assert cpu_ticks(tmp_path)[0] == CpuTicks(busy=182, softirq=20, total=992, steal=7)
     assert cpu_ticks(tmp_path / "missing") == {}
     assert set(cpu_ticks()) == set(range(len(cpu_ticks())))  # this machine's CPUs, numbered from 0
 
@@ -69,11 +71,12 @@ def test_shares_from_two_samples() -> None:
     assert shares["roles"]["shadows"] == {"processes": 2, "cpu_s_per_s": 0.5, "cpu_ms_per_iteration": 50.0}
     assert shares["roles"]["switch"]["cpu_s_per_s"] == 0.5
     assert shares["roles"]["workers"]["processes"] == 0
-    assert shares["cpu_sets"]["workers"] == {"cpus": "0", "busy": 0.5, "softirq": 0.0}
+    assert shares["cpu_sets"]["workers"] == {"cpus": "0", "busy": 0.5, "softirq": 0.0, "steal": 0.0}
     assert shares["cpu_sets"]["infrastructure"] == {
         "cpus": "1",
         "busy": round(500 / 1500, 3),
         "softirq": 0.033,
+        "steal": 0.0,
     }
     assert "absent" not in shares["cpu_sets"]
     assert cpu_shares(first, first, {}) is None  # no time passed: no figure
