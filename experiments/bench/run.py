@@ -152,10 +152,14 @@ class BenchRun:
             job.shadows.nice = SHADOW_NICE if self.bench.placement == "partitioned" else 0
             job.start_shadows()
         series = RunSeries("main")
+        # the switch counts copies since the job was added, which may span several runs: the difference
+        before = job.switch_counters().get("packets") if system.switch_replicates else None
         try:
             job.train(series, None, system.shadows, log_dir=self._log_dir)
             if system.switch_replicates:
-                result.switch_copies[system.name] = job.switch_counters().get("packets")
+                after = job.switch_counters().get("packets")
+                copies = None if before is None or after is None else after - before
+                result.switch_copies[system.name] = copies
         finally:
             if job.shadows:
                 job.shadows.stop()
