@@ -77,6 +77,8 @@ def plan_from(args: argparse.Namespace) -> list[BenchConfig]:
         cpus = partition.make_partition(args.worker_cpus, args.infra_cpus)
     except PartitionError as exc:
         raise BenchError(f"--worker-cpus/--infra-cpus: {exc}") from None
+    if getattr(args, "append", False):
+        merged_with(args.json, [], [])  # an unreadable file to append to is refused before anything runs
     plan = []
     for name in workloads:
         workload = WORKLOADS[name]
@@ -154,16 +156,49 @@ def time_shares(cpu_time: Mapping[str, Any] | None) -> dict[str, float | None]:
 def write(
     rows: list[dict[str, Any]], runs: list[dict[str, Any]], args: argparse.Namespace, seconds: float
 ) -> None:
+    command = " ".join(["python -m experiments.bench.scaling", *args.given])
+    commands = [command]
+    if args.append:
+        rows, runs, earlier = merged_with(args.json, rows, runs)
+        commands = [*earlier, command]
     document = {
         "rows": rows,
         "runs": runs,
-        "command": " ".join(["python -m experiments.bench.scaling", *args.given]),
+        "command": command,
+        "commands": commands,
         "seconds": round(seconds, 1),
     }
     atomic_write_text(args.json, json.dumps(document, indent=2) + "\n")
     load = runs[0]["machine"].get("load_average_at_start") if runs else None
     title = f"scaling, partitioned CPUs, {len(runs)} run(s) (load average at start {load})"
     save_atomically(lambda path: scaling_plot(rows, path, title), args.png)
+
+
+def merged_with(
+    path: Path, rows: list[dict[str, Any]], runs: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """``--append``: the rows and runs of ``path`` (an earlier scaling.json) with these added; a
+    (workload, workers[, system]) measured again replaces the earlier one. Also the earlier commands."""
+    try:
+        earlier = json.loads(path.read_text())
+    except FileNotFoundError:
+        return rows, runs, []
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"--append: cannot read {path}: {exc}") from None
+    if not isinstance(earlier, dict) or not isinstance(earlier.get("rows"), list):
+        raise BenchError(f"--append: {path} is not a scaling.json (no rows)")
+    fresh = {(r["workload"], r["workers"], r["system"]) for r in rows}
+    kept_rows = [
+        r for r in earlier["rows"] if (r.get("workload"), r.get("workers"), r.get("system")) not in fresh
+    ]
+    measured = {(r["settings"]["workload"], r["settings"]["workers"]) for r in runs}
+    kept_runs = [
+        r
+        for r in earlier.get("runs", [])
+        if (r.get("settings", {}).get("workload"), r.get("settings", {}).get("workers")) not in measured
+    ]
+    commands = earlier.get("commands") or ([earlier["command"]] if earlier.get("command") else [])
+    return kept_rows + rows, kept_runs + runs, list(commands)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/checkmate-bench-scaling"))
     parser.add_argument("--json", type=Path, default=REPO / "results" / "scaling.json")
     parser.add_argument("--png", type=Path, default=REPO / "results" / "scaling.png")
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="add to the rows already in --json (a size and worker count measured again replaces its rows) "
+        "and plot them all: sizes can be run separately, e.g. large-state with fewer worker counts",
+    )
     return parser
 
 

@@ -76,3 +76,42 @@ def test_rows_and_files(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "s.json").read_text())["rows"] == rows
     assert (tmp_path / "s.png").stat().st_size > 10_000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "s.png"]
+
+
+def test_append_adds_sizes_run_separately_and_replaces_a_repeated_point(tmp_path: Path) -> None:
+    def run(workload: str, workers: int, ideal: float, checkmate: float) -> dict[str, object]:
+        return {
+            "settings": {"workload": workload, "workers": workers},
+            "machine": {"load_average_at_start": [0.1, 0.1, 0.1]},
+            "errors": {},
+            "systems": [
+                _entry("ideal-cm-transport", ideal, 1.0),
+                _entry("checkmate", checkmate, checkmate / ideal),
+            ],
+        }
+
+    out = tmp_path / "s.json"
+    first = [run("tinylm", 2, 20.0, 19.0), run("tinylm", 4, 10.0, 9.0)]
+    args = build_parser().parse_args(["--json", str(out), "--png", str(tmp_path / "s.png")])
+    args.given = ["--workloads", "tinylm"]
+    write([r for x in first for r in rows_from(x)], first, args, 1.0)
+    again = [run("tinylm", 4, 10.0, 9.5), run("large-state", 2, 0.5, 0.45)]
+    args = build_parser().parse_args(["--json", str(out), "--png", str(tmp_path / "s.png"), "--append"])
+    args.given = ["--workloads", "large-state", "--append"]
+    write([r for x in again for r in rows_from(x)], again, args, 2.0)
+    document = json.loads(out.read_text())
+    points = sorted(
+        (r["workload"], r["workers"], r["system"], r["iterations_per_s"]) for r in document["rows"]
+    )
+    assert points == [
+        ("large-state", 2, "checkmate", 0.45),
+        ("large-state", 2, "ideal-cm-transport", 0.5),
+        ("tinylm", 2, "checkmate", 19.0),
+        ("tinylm", 2, "ideal-cm-transport", 20.0),
+        ("tinylm", 4, "checkmate", 9.5),  # measured again: replaced
+        ("tinylm", 4, "ideal-cm-transport", 10.0),
+    ]
+    assert len(document["runs"]) == 3 and len(document["commands"]) == 2
+    out.write_text("not json")
+    with pytest.raises(BenchError, match="cannot read"):
+        write([], [], args, 0.0)
