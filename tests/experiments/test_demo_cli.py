@@ -30,7 +30,15 @@ def _start_demo(work: Path, out: Path) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "experiments.demo", "--iterations", "60", "--no-reference"]
     argv += ["--work-dir", str(work), "--results", str(work / "results")]
     with out.open("ab") as sink:
-        return subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=ENV)
+        # Ctrl-C must reach the demo even when this test runs where SIGINT is ignored (a background
+        # job of a shell without job control, e.g. `nohup make test &`), which a child would inherit.
+        return subprocess.Popen(
+            argv, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=ENV, preexec_fn=_default_sigint
+        )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_training(work: Path, process: subprocess.Popen[bytes], out: Path) -> None:
