@@ -23,13 +23,14 @@ from experiments.bench import sweep
 from experiments.bench.config import SHADOW_DISK, WORKLOADS, BenchConfig, BenchError
 from experiments.bench.cpu_time import mean_shares
 from experiments.bench.figures import LogFigures, frequency_targets, summarize, targets
+from experiments.commands import REPO
 from experiments.plots import bench_plot, save_atomically
 
 TABLE_BEGIN = "<!-- bench-table:begin -->"
 TABLE_END = "<!-- bench-table:end -->"
 HEADLINE_BEGIN = "<!-- bench-headline:begin -->"
 HEADLINE_END = "<!-- bench-headline:end -->"
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = REPO / "README.md"
 
 
 def machine_info() -> dict[str, Any]:

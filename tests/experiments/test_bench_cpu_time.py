@@ -92,7 +92,8 @@ def test_clock_samples_this_process() -> None:
     clock.tick(15)
     shares = clock.shares({"all": set(cpu_ticks())})
     assert shares is not None and shares["iterations"] == 10
-    assert shares["roles"]["bench"]["cpu_s_per_s"] > 0.3
+    # 0.2 s of CPU over 10 iterations, whatever the wall time under load (ticks are 10 ms)
+    assert shares["roles"]["bench"]["cpu_ms_per_iteration"] >= 10
 
 
 def test_rounds_averaged_and_shares_for_the_scaling_rows() -> None:
