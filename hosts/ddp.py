@@ -81,6 +81,7 @@ import torch.distributed as dist
 from checkmate.control import BucketSpec, Commit, validate_data_position
 from checkmate.job_state import JobState, JobStateError
 from checkmate.optimizers import check_replayable, pin_implementation
+from checkmate.os_threads import name_os_threads
 from hosts import ddp_gradients
 from hosts.control_channel import ControlChannel, ControlConfig
 from hosts.ddp_commits import ShadowMessages
@@ -224,6 +225,7 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
         self._forward_handle = ddp_model.register_forward_pre_hook(self._before_forward)
         atexit.register(self._flush_at_exit)  # a script that never calls close() still sends its last commit
         ddp_gradients.install(self)
+        name_os_threads()  # top -H, ps -L and the benchmark's per-thread account see cm-rx, cm-ctl, ...
         logger.info(
             "checkmate: job %d rank %d/%d%s on %s:%d, ring %s",
             config.job_id,

@@ -83,6 +83,7 @@ from experiments.bench.partition import PartitionError
 from experiments.bench.report import suite_markdown, write_suite
 from experiments.bench.run import BenchRun
 from experiments.bench.sweep import SWEEP_PEERS, SweepError
+from experiments.bench.worker_account import SyscallWindow
 from experiments.commands import JobError
 
 logger = logging.getLogger(__name__)
@@ -145,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
         "swept peers at each k of the sweep); known: "
         + ", ".join(all_systems(defaults.k)).replace(str(defaults.k), "K"),
     )
+    parser.add_argument(
+        "--syscalls",
+        type=int,
+        default=0,
+        metavar="N",
+        help="count the workers' system calls by kind (strace -c -f) over the last N iterations of "
+        "each run; the CPU figures then end where that window starts (0: off, the default)",
+    )
     parser.add_argument("--work-dir", type=Path, default=defaults.work_dir)
     parser.add_argument("--json", type=Path, default=defaults.json_out, help="results JSON")
     parser.add_argument("--png", type=Path, default=defaults.png_out, help="bar chart")
@@ -202,6 +211,10 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
         raise BenchError(f"--iterations ({args.iterations}) must exceed --warmup ({args.warmup}) + 2")
     if args.iterations is not None and args.iterations > 100_000:
         raise BenchError(f"--iterations ({args.iterations}) is out of range (at most 100000)")
+    if not 0 <= args.syscalls <= 10_000:
+        raise BenchError(f"--syscalls must be 0 (off) to 10000 iterations, got {args.syscalls}")
+    if args.syscalls and not SyscallWindow.available():
+        raise BenchError("--syscalls needs strace on PATH (apt-get install strace)")
     if not 1 <= args.k <= sweep.MAX_SWEEP_K or (args.rounds is not None and not 1 <= args.rounds <= 100):
         raise BenchError(f"--k must be 1 to {sweep.MAX_SWEEP_K} and --rounds 1 to 100")
     try:
@@ -265,6 +278,7 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
                     placement=placement,
                     partition=cpus if placement == "partitioned" else None,
                     sweep_ks=ks,
+                    syscall_iterations=args.syscalls,
                     global_batch=workload.per_worker_batch * args.workers,
                     model_args=workload.model_args,
                 )

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from experiments.bench import sweep
-from experiments.bench.config import SHADOW_DISK, WORKLOADS, BenchConfig, BenchError
+from experiments.bench.config import GLOO, SHADOW_DISK, WORKLOADS, BenchConfig, BenchError
 from experiments.bench.cpu_time import mean_shares
 from experiments.bench.figures import LogFigures, frequency_targets, summarize, targets
+from experiments.bench.worker_account import difference
 from experiments.commands import REPO
 from experiments.plots import bench_plot, save_atomically
 
@@ -124,6 +125,8 @@ class BenchResult:
     placement_problems: list[str] = field(default_factory=list)
     cpu: dict[str, list[dict[str, Any] | None]] = field(default_factory=dict)
     """System -> per round, where the CPU time went (:func:`experiments.bench.cpu_time.cpu_shares`)."""
+    worker_account: dict[str, list[dict[str, Any] | None]] = field(default_factory=dict)
+    """System -> per round, what it cost each worker (:func:`experiments.bench.worker_account.account`)."""
 
     def summary(self) -> dict[str, Any]:
         known = self.config.known()
@@ -137,6 +140,14 @@ class BenchResult:
         for name, per_round in self.cpu.items():
             if name in entries:
                 entries[name]["cpu_time"] = mean_shares(per_round)
+        for name, per_round in self.worker_account.items():
+            if name in entries:
+                entries[name]["worker_account"] = mean_shares(per_round)
+        ideal_account = entries.get("ideal-cm-transport", {}).get("worker_account")
+        for name, entry in entries.items():
+            own = entry.get("worker_account")
+            if ideal_account and own and name != "ideal-cm-transport" and known[name].transport != GLOO:
+                entry["worker_account_vs_ideal_cm_transport"] = difference(own, ideal_account)
         for name, copies in self.switch_copies.items():
             if name in entries:
                 entries[name]["switch_shadow_copies_packets"] = copies

@@ -30,6 +30,7 @@ from experiments.bench.config import BASELINE_KINDS, GLOO, SHADOW_NICE, BenchCon
 from experiments.bench.cpu_time import CpuClock
 from experiments.bench.figures import LogFigures, figures, read_log
 from experiments.bench.report import BenchResult, atomic_write_text, machine_info
+from experiments.bench.worker_account import AccountSample, SyscallWindow, account, take_account
 from experiments.commands import REPO, JobError
 from experiments.job import JobConfig, JobHooks, JobRun
 from experiments.launcher import LaunchConfig
@@ -94,6 +95,9 @@ class BenchRun:
         self._result: BenchResult | None = None
         self._sampled = False
         self._clock = CpuClock()
+        self._account_first: AccountSample | None = None
+        self._account: dict[str, Any] | None = None
+        self._syscalls: SyscallWindow | None = None
 
     def run_all(self) -> BenchResult:
         """Every selected system, ``rounds`` times (later rounds in alternating order); teardown always."""
@@ -135,6 +139,7 @@ class BenchRun:
         self.renamer.current = f"{system.name} ({round_number + 1}/{self.bench.rounds})"
         self._sampled = False
         self._clock = CpuClock()
+        self._account_first, self._account, self._syscalls = None, None, None
         self._log_dir = job.log_dir / f"round{round_number + 1}-{system.name}"
         shutil.rmtree(self._log_dir, ignore_errors=True)
         self._log_dir.mkdir(parents=True, exist_ok=True)
@@ -164,6 +169,7 @@ class BenchRun:
             if job.shadows:
                 job.shadows.stop()
         result.cpu.setdefault(system.name, []).append(self._clock.shares(self._cpu_sets()))
+        result.worker_account.setdefault(system.name, []).append(self._account)
         return figures(read_log(self._log_dir / "rank0.jsonl"), system, self.bench.warmup)
 
     def _run_iterations(self, system: System) -> int:
@@ -203,16 +209,48 @@ class BenchRun:
         if iteration < self.bench.warmup:
             return
         if self._sampled:
-            last = self._system is not None and iteration >= self._run_iterations(self._system) - 1
+            if self._system is None:
+                return
+            end = self._run_iterations(self._system) - 1
+            window = self.bench.syscall_iterations
+            if self._syscalls is not None:  # counting system calls: the CPU figures are taken
+                if iteration >= end:
+                    self._finish_syscalls(iteration)
+                return
+            if window and iteration >= end - window:
+                self._clock.tick(iteration, final=True)
+                self._finish_account(iteration)
+                self._syscalls = SyscallWindow()
+                self._syscalls.start(self._clock.roles.get("workers", []), iteration)
+                return
+            last = iteration >= end
             self._clock.tick(iteration, final=last)
+            if last:
+                self._finish_account(iteration)
             return
         self._sampled = True
         try:
             roles = self._placement_roles()
             self._sample_placement(roles)
             self._clock.start(roles, iteration)
+            self._account_first = take_account(roles["workers"], iteration)
         except (OSError, ValueError) as exc:  # a process that ended while being read
             logger.warning("reading back the CPU placement: %s", exc)
+
+    def _finish_account(self, iteration: int) -> None:
+        """The workers' per-iteration account from the first sample to now (:mod:`worker_account`)."""
+        if self._account_first is None:
+            return
+        last = take_account(list(self._account_first.threads), iteration)
+        self._account = account(self._account_first, last, len(self.job.config.workers))
+
+    def _finish_syscalls(self, iteration: int) -> None:
+        window, self._syscalls = self._syscalls, None
+        if window is None:
+            return
+        counted = window.stop(iteration, len(self.job.config.workers))
+        if self._account is not None:
+            self._account["syscalls"] = counted
 
     def _cpu_sets(self) -> dict[str, frozenset[int]]:
         pinned = self.bench.partition
