@@ -247,6 +247,9 @@ class RingAllReduce:
         self.tag_log: deque[TagRecord] = deque(maxlen=tag_log_size)
         self.on_tag: Callable[[TagRecord], None] | None = None
         self._stop = threading.Event()
+        self._watch_event = threading.Event()
+        self._watch_deadline = float("inf")
+        """The earliest deadline the watchdog sleeps towards (``inf``: no op running, until woken)."""
         peers = {r: a for r, a in enumerate(config.workers) if r != self.rank}
         transport.add_job(
             config.job_id,
@@ -319,6 +322,9 @@ class RingAllReduce:
                 if key in self._ops:
                     raise ValueError(f"bucket {bucket_id} of iteration {iteration} was already started")
                 self._ops[key] = record
+                if record.deadline < self._watch_deadline:
+                    self._watch_deadline = record.deadline
+                    self._watch_event.set()
                 if iteration > self._latest_iteration:
                     self._latest_iteration = iteration
                     self._release_locked(iteration - self.config.keep_iterations)
@@ -376,6 +382,7 @@ class RingAllReduce:
 
     def close(self) -> None:
         self._stop.set()
+        self._watch_event.set()
         self._watchdog.join(timeout=1.0)
         with self._lock:
             self._fail_all_locked(CollectiveError("the all-reduce engine was closed"))
@@ -549,10 +556,12 @@ class RingAllReduce:
             self._fail_all_locked(error)
 
     def _watch(self) -> None:
-        while not self._stop.wait(0.05):
+        """Fail the ops past their deadline; sleeps until the earliest running op's deadline."""
+        while not self._stop.is_set():
             now = time.monotonic()
             with self._lock:
-                late = [v for v in self._ops.values() if not v.done and not v.failed and now > v.deadline]
+                running = [v for v in self._ops.values() if not v.done and not v.failed]
+                late = [v for v in running if now > v.deadline]
                 if late:
                     record = late[0]
                     missing = record.state.count(0) + record.state.count(_RS_DONE)
@@ -563,10 +572,22 @@ class RingAllReduce:
                             f"{self.config.timeout:.1f}s; {missing} of {len(record.state)} datagrams "
                             f"still expected from rank {self.prev_rank} at "
                             f"{self.prev_addr[0]}:{self.prev_addr[1]} (ring predecessor); "
-                            f"slots missing: {[i for i, v in enumerate(record.state) if v != _FINAL][:8]}; "
+                            f"slots missing: {self._missing_slots(record)}; "
                             f"transport: {self.transport.stats()}"
                         )
                     )
+                    running = []
+                deadline = min((v.deadline for v in running), default=float("inf"))
+                self._watch_deadline = deadline
+                self._watch_event.clear()
+            if deadline == float("inf"):
+                self._watch_event.wait()
+            else:
+                self._watch_event.wait(max(deadline - time.monotonic(), 0.0) + 0.001)
+
+    @staticmethod
+    def _missing_slots(record: _Op) -> list[int]:
+        return [i for i, v in enumerate(record.state) if v != _FINAL][:8]
 
     # ---- repair service -------------------------------------------------------------
     def _on_repair_request(self, header: CheckmateHeader, payload: memoryview, addr: Addr) -> None:

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -141,6 +142,9 @@ class TransportConfig:
     nack_interval: float = 0.02
     """Least time between two NACKs of one flow."""
     timer_tick: float = 0.002
+    """Deadlines closer than this are served in one wake-up (the timer sleeps until the next
+    deadline, and while nothing is outstanding until woken), and the hold time of a reordered
+    datagram."""
     max_reorder: int = 1 << 16
     """Datagrams further than this beyond the cumulative sequence are dropped (bounded memory)."""
     send_block_timeout: float = 0.5
@@ -199,6 +203,10 @@ class Transport(Receiver):
         self._dirty = set()
         self._counters = {}
         self._stop = threading.Event()
+        self._timer_event = threading.Event()
+        self._timer_deadline = 0.0
+        self._timer_count = 0
+        self._rx_wake = os.pipe()
         self.tap = None
         """Called with (header, destination, is_retransmission) for every reliable transmission."""
         self._rx = threading.Thread(target=self._receive_loop, name=f"cm-rx-{self.address[0]}", daemon=True)
@@ -258,9 +266,13 @@ class Transport(Receiver):
         if drain_timeout > 0:
             self.wait_idle(drain_timeout)
         self._stop.set()
+        self._timer_event.set()
+        os.write(self._rx_wake[1], b"x")
         self._rx.join(timeout=2.0)
         self._timer.join(timeout=2.0)
         self._sock.close()
+        for fd in self._rx_wake:
+            os.close(fd)
 
     def __enter__(self) -> Transport:
         return self
@@ -274,6 +286,7 @@ class Transport(Receiver):
             out["flows.send"] = len(self._send_flows)
             out["flows.recv"] = len(self._recv_flows)
             out["unacked"] = sum(len(f.unacked) + len(f.pending) for f in self._send_flows.values())
+            out["timer_wakeups"] = self._timer_count
         if self._faults is not None:
             out.update({f"fault.{k}": v for k, v in self._faults.counts.items()})
         return out

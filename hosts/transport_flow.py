@@ -49,6 +49,8 @@ DataFieldsHandler = Callable[[tuple[int, ...], memoryview, Addr], None]
 FailureHandler = Callable[["PeerTimeoutError"], None]
 
 MAX_SEQUENCE = (1 << 32) - 1
+_NEVER = float("inf")
+"""The timer's deadline when nothing is outstanding: it sleeps until woken."""
 MAX_RANGES = 128
 """Most SACK/NACK ranges one ACK or NACK carries (1 KiB of payload)."""
 _RANGE = struct.Struct("!II")
@@ -207,6 +209,7 @@ class FlowControl(TransportIO):
         """First transmission of ``item`` (lock held)."""
         if not flow.unacked:
             flow.last_progress = now
+            self._wake_timer(now + flow.rto * flow.backoff)
         item.first_sent = item.last_sent = now
         flow.unacked[item.seq] = item
         self._emit((item.header_bytes, item.payload), flow.peer)
@@ -258,6 +261,7 @@ class FlowControl(TransportIO):
             else:
                 if not flow.ooo:
                     flow.gap_since = time.monotonic()
+                    self._wake_timer(self._nack_due(flow))
                 flow.ooo.add(seq)
                 flow.ack_due = True
             flow.since_ack += 1
@@ -265,6 +269,10 @@ class FlowControl(TransportIO):
             if flow.since_ack >= self.config.ack_every:
                 self._send_ack(flow)
         return True
+
+    def _nack_due(self, flow: RecvFlow) -> float:
+        """When the gap of ``flow`` may be NACKed (``nack_delay`` old, ``nack_interval`` after the last)."""
+        return max(flow.gap_since + self.config.nack_delay, flow.last_nack + self.config.nack_interval)
 
     def _send_ack(self, flow: RecvFlow) -> None:
         """ACK: sequence = cumulative ack, element_offset = advertised window, payload = SACK ranges."""
@@ -389,19 +397,42 @@ class FlowControl(TransportIO):
 
     # ---- timers ---------------------------------------------------------------------
     def _timer_loop(self) -> None:
+        """Sleep until the next deadline (none: until woken), then run :meth:`_on_tick`.
+
+        No wake-ups while nothing is outstanding: :meth:`_wake_timer` wakes the thread when a
+        flow gets data outstanding, a gap appears or a datagram is held, if that makes a
+        deadline earlier than the one it sleeps towards. Deadlines closer than ``timer_tick``
+        apart are served in one wake-up.
+        """
         tick = self.config.timer_tick
-        while not self._stop.wait(tick):
+        wake = self._timer_event
+        while not self._stop.is_set():
+            now = time.monotonic()
             try:
-                self._on_tick(time.monotonic())
+                deadline = self._on_tick(now)  # also publishes it and clears ``wake``, under ``_lock``
             except Exception:  # noqa: BLE001 - keep the timer alive; the error is logged
                 logger.exception("transport timer failed")
+                deadline = now + tick
+            if self._stop.is_set():
+                return
+            if deadline == _NEVER:
+                wake.wait()
+            else:
+                wake.wait(max(deadline - time.monotonic(), tick))
+            self._timer_count += 1
 
-    def _on_tick(self, now: float) -> None:
+    def _on_tick(self, now: float) -> float:
+        """Serve every deadline due at ``now``; the next deadline (``_NEVER`` when none)."""
         failures: list[tuple[Job | None, PeerTimeoutError]] = []
         held = None
+        tick = self.config.timer_tick
+        nxt = _NEVER
         with self._lock:
-            if self._held is not None and now - self._held[2] >= self.config.timer_tick:
-                held, self._held = self._held, None
+            if self._held is not None:
+                if now - self._held[2] >= tick:
+                    held, self._held = self._held, None
+                else:
+                    nxt = self._held[2] + tick
             for flow in self._send_flows.values():
                 if flow.failed is not None or not flow.unacked:
                     continue
@@ -421,10 +452,12 @@ class FlowControl(TransportIO):
                     failures.append((self._jobs.get(flow.job_id), error))
                     continue
                 timeout = flow.rto * flow.backoff
+                nxt = min(nxt, flow.last_progress + self.config.peer_timeout)
                 if now - flow.last_progress < timeout:
                     # The peer acknowledged something within the RTO: it is draining what it was
                     # sent, only late (a busy or starved receiver). Resending now would only add
                     # duplicates to its full buffer; real losses are resent on SACK/NACK evidence.
+                    nxt = min(nxt, flow.last_progress + timeout)
                     continue
                 expired = []
                 for item in flow.unacked.values():
@@ -437,16 +470,26 @@ class FlowControl(TransportIO):
                     flow.backoff = min(flow.backoff * 2, self.config.max_rto / flow.rto)
                     for item in expired:
                         self._retransmit(flow, item, now, "timeout")
+                if flow.unacked:  # the oldest transmission's timeout (with the new backoff)
+                    oldest = next(iter(flow.unacked.values()))
+                    timeout = flow.rto * flow.backoff
+                    nxt = min(nxt, max(oldest.last_sent, flow.last_progress) + timeout)
             for rflow in self._recv_flows.values():
+                if not rflow.ooo:
+                    continue
                 if (
-                    rflow.ooo
-                    and now - rflow.gap_since >= self.config.nack_delay
+                    now - rflow.gap_since >= self.config.nack_delay
                     and now - rflow.last_nack >= self.config.nack_interval
                 ):
                     self._send_nack(rflow, now)
+                nxt = min(nxt, self._nack_due(rflow))
+            # published under the lock that every waker holds, so no wake-up falls in between
+            self._timer_deadline = nxt
+            self._timer_event.clear()
         if held is not None:
             self._sendmsg(held[0], held[1])
         for job, error in failures:
             logger.error("%s", error)
             if job is not None and job.on_failure is not None:
                 job.on_failure(error)
+        return nxt

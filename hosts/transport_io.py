@@ -76,6 +76,13 @@ class TransportIO:
     _dirty: set[tuple[Addr, int]]
     _counters: dict[str, int]
     _stop: threading.Event
+    _timer_event: threading.Event
+    _rx_wake: tuple[int, int]
+    """A pipe the receive thread polls beside the socket; ``close()`` writes to it."""
+    _timer_deadline: float
+    """What the timer thread sleeps towards (``inf``: nothing outstanding, until woken)."""
+    _timer_count: int
+    """The timer thread's wake-ups (``stats()["timer_wakeups"]``)."""
 
     # ---- statistics -----------------------------------------------------------------
     def count(self, name: str, n: int = 1) -> None:
@@ -90,6 +97,12 @@ class TransportIO:
     def count_drop(self, reason: str) -> None:
         """Count a datagram dropped for ``reason`` (also used by the layers above)."""
         self.count(f"drop.{reason}")
+
+    def _wake_timer(self, deadline: float) -> None:
+        """Wake the timer thread if ``deadline`` comes before the one it sleeps towards."""
+        if deadline < self._timer_deadline:
+            self._timer_deadline = deadline
+            self._timer_event.set()
 
     # ---- sending --------------------------------------------------------------------
     @contextlib.contextmanager
@@ -133,7 +146,9 @@ class TransportIO:
             return
         if action == SendAction.HOLD:
             with self._lock:
-                previous, self._held = self._held, (parts, addr, time.monotonic())
+                now = time.monotonic()
+                previous, self._held = self._held, (parts, addr, now)
+                self._wake_timer(now + self.config.timer_tick)
             if previous is not None:
                 self._sendmsg(previous[0], previous[1])
             return

@@ -38,12 +38,15 @@ class Receiver(FlowControl):
         view = memoryview(buf)
         poller = select.poll()
         poller.register(self._sock, select.POLLIN)
+        poller.register(self._rx_wake[0], select.POLLIN)  # close() writes to it: no polling timeout
         sock = self._sock
         while not self._stop.is_set():
             try:
-                if not poller.poll(50):
+                if not poller.poll():
                     continue
             except OSError:
+                return
+            if self._stop.is_set():
                 return
             with self.batch():  # forwards and first sends go out in GSO runs at the end of the burst
                 for _ in range(256):
