@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -61,10 +61,17 @@ LATE_STATEFUL = (
 
 
 def _plain(value: Any) -> Any:
+    """A param-group value as plain JSON for the shadows' optimizer (tensors as numbers or lists).
+
+    Lossless where ``step()`` reads it (the shadows give the constructor's keys back their
+    types); any other key reaches the workers again through the job state, which keeps types.
+    """
     if isinstance(value, torch.Tensor):
-        return value.item()
-    if isinstance(value, tuple):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
     return value
 
 

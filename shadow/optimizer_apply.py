@@ -18,6 +18,11 @@ torch.optim; gradient multiplications between the all-reduce and the step
 (``GradScaler.unscale_``'s inverse scale, ``clip_grad_norm_``'s coefficient) are
 replayed in the order the workers made them, with the same factor dtype.
 Parameters in no param group are held but never stepped.
+
+A param group holds what the workers' group holds, whatever the keys: the
+constructor's hyperparameters (validated as the constructor validates them) and any
+other key a scheduler or the user put there (OneCycleLR's ``max_lr``/``base_momentum``,
+a framework's ``name``); ``step()`` reads the same group the workers' step read.
 """
 
 from __future__ import annotations
@@ -98,6 +103,17 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _like(current: Any, value: Any) -> Any:
+    """``value`` (as it travelled: tensors as numbers, tuples as lists) in the type of ``current``."""
+    if isinstance(current, torch.Tensor) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(value, dtype=current.dtype)
+    if isinstance(current, tuple) and isinstance(value, (list, tuple)):
+        if len(current) == len(value):
+            return tuple(_like(c, v) for c, v in zip(current, value, strict=True))
+        return tuple(value)
+    return value
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """What the shadow needs of an iteration besides the gradients."""
@@ -155,16 +171,15 @@ class ShadowOptimizer:
             )
         except (TypeError, ValueError, RuntimeError):
             probe = None  # a user's class that needs more than params: its groups are not pre-checked
-        allowed = (set(probe.defaults) | {"initial_lr"}) if probe is not None else None
+        defaults = dict(probe.defaults) if probe is not None else {}
         constructor_args = set(inspect.signature(optimizer_cls).parameters) - {"self", "params"}
         groups = []
         for index, group in enumerate(spec.param_groups):
+            # The constructor's hyperparameters in the types it gives them (betas: a tuple); any other
+            # key (a scheduler's, the user's) as it travelled: step() does not read it.
             hyper: dict[str, Any] = {
-                k: (tuple(v) if isinstance(v, list) else v) for k, v in group.items() if k != "params"
+                k: (_like(defaults[k], v) if k in defaults else v) for k, v in group.items() if k != "params"
             }
-            unexpected = sorted(set(hyper) - allowed) if allowed is not None else []
-            if unexpected:
-                raise OptimizerSpecError(f"{spec.kind} has no hyperparameter(s) {unexpected}")
             if not isinstance(hyper.get("lr", 0.0), (int, float)) or hyper.get("lr", 0.0) < 0:
                 raise OptimizerSpecError(f"param group {index}: learning rate {hyper.get('lr')!r} is invalid")
             try:  # the constructor validates its defaults: validate each group the same way
@@ -184,9 +199,9 @@ class ShadowOptimizer:
         """Owned parameters in no param group: the workers never step them (held, never changed)."""
         # The first group's hyperparameters as the constructor's defaults too: some constructors
         # initialise state from their arguments (Adagrad's initial_accumulator_value).
-        defaults = {k: v for k, v in groups[0].items() if k in constructor_args} if groups else {}
+        first = {k: v for k, v in groups[0].items() if k in constructor_args} if groups else {}
         try:
-            self.optimizer = optimizer_cls(groups, **defaults)
+            self.optimizer = optimizer_cls(groups, **first)
         except (TypeError, ValueError) as exc:
             raise OptimizerSpecError(f"{spec.kind} rejects the hyperparameters: {exc}") from exc
         self.iteration = -1
@@ -222,9 +237,10 @@ class ShadowOptimizer:
         for index, (group, lr) in enumerate(
             zip(self.optimizer.param_groups, step.learning_rates, strict=True)
         ):
-            group["lr"] = lr
+            group["lr"] = _like(group["lr"], lr)
             if index < len(step.hyperparameters):
-                group.update(step.hyperparameters[index])
+                # in the type the group holds (betas cycled by OneCycleLR arrive as a list)
+                group.update({k: _like(group.get(k), v) for k, v in step.hyperparameters[index].items()})
         if not step.skip_step:
             self.optimizer.step()
         for parameter in self.parameters.values():

@@ -24,6 +24,22 @@ def _run(mode: str) -> tuple[Path, list]:
     return tmp, nodes, job  # type: ignore[return-value]
 
 
+def test_a_param_group_value_that_cannot_travel_is_refused_at_enable_naming_group_and_key() -> None:
+    tmp, nodes, job = _run("group")
+    try:
+        assert job.wait(60) == [0, 0]
+        for rank in range(2):
+            message = (tmp / "out" / f"rank{rank}.err").read_text()
+            assert message.startswith("CheckmateConfigError: optimizer param group 0['frozen_layers']"), (
+                message
+            )
+            assert "builtins.set, which cannot be stored" in message
+    finally:
+        job.kill()
+        for n in nodes:
+            n.close()
+
+
 def test_a_stateful_object_that_cannot_travel_is_refused_at_enable() -> None:
     tmp, nodes, job = _run("enable")
     try:

@@ -300,3 +300,34 @@ def test_gallery_resume_from_disk_when_the_shadows_are_lost_too() -> None:
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_gallery_every_optimizer(optimizer: str) -> None:
     run_case("every_optimizer.py", optimizer, iterations=6, kill_at=3)
+
+
+SCHEDULERS = [
+    "LambdaLR",
+    "MultiplicativeLR",
+    "StepLR",
+    "MultiStepLR",
+    "ConstantLR",
+    "LinearLR",
+    "ExponentialLR",
+    "PolynomialLR",
+    "CosineAnnealingLR",
+    "CosineAnnealingWarmRestarts",
+    "CyclicLR",
+    "OneCycleLR",
+    "OneCycleLR-Adam",
+    "ReduceLROnPlateau",
+    "SequentialLR",
+    "ChainedScheduler",
+    "named-groups",
+]
+FAST_SCHEDULERS = {"OneCycleLR", "named-groups"}
+"""In make test: the scheduler keys and the user keys a param group gains (the rest: slow)."""
+
+
+@pytest.mark.parametrize(
+    "option", [pytest.param(s, marks=() if s in FAST_SCHEDULERS else SLOW, id=s) for s in SCHEDULERS]
+)
+def test_gallery_every_scheduler(option: str) -> None:
+    """Every torch.optim.lr_scheduler scheduler and named groups: killed and resumed bit-identically."""
+    run_case("every_scheduler.py", option)

@@ -1,4 +1,5 @@
-"""A job whose Stateful object goes bad (--option enable|unserializable|too-large): the error names it."""
+"""A job whose Stateful object goes bad (--option enable|unserializable|too-large), or whose param group
+holds a value that cannot travel (--option group): the error names it."""
 
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ rank = torch.distributed.get_rank()
 torch.manual_seed(0)
 model = DDP(nn.Linear(8, 2))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-sampler = Sampler(args.option)
+if args.option == "group":
+    optimizer.param_groups[0]["frozen_layers"] = {"head", "body"}  # a set: not JSON-like
+sampler = Sampler("fine" if args.option == "group" else args.option)
 try:
     agent = hosts.enable_checkmate(model, optimizer, stateful={"loader": sampler})
     for iteration in range(args.iterations):
@@ -54,6 +57,6 @@ try:
 except ValueError as exc:  # CheckmateConfigError at enable, JobStateError later: both name the object
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.err").write_text(f"{type(exc).__name__}: {exc}")
-    if args.option != "enable":
+    if args.option not in ("enable", "group"):
         time.sleep(3600)  # the process keeps running after the error (the test kills the job)
 os._exit(0)
