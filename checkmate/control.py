@@ -4,9 +4,10 @@ Shared by the host agent (``hosts.control_channel``, the sender) and the
 shadow (the receiver), like :mod:`checkmate.wire` is for the data path; the
 format is specified in docs/protocol.md ("Control channel").
 
-A TCP connection carries authenticated frames (:mod:`checkmate.control_frame`)::
+A TCP connection opens with the shadow's hello (its nonce and name) and then carries
+frames authenticated with that connection's keys (:mod:`checkmate.control_frame`)::
 
-    magic "CMC2" | json_len | blob_len | job | run | seq | head tag | JSON (UTF-8) | blob | tag
+    magic "CMC3" | json_len | blob_len | job | run | seq | head tag | JSON (UTF-8) | blob | tag
 
 The JSON object has a ``"type"`` (``job_start``, ``bucket_layout``,
 ``commit``, ``certified``, ``goodbye``; and on a shadow's same TCP port,

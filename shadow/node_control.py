@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from checkmate.admission import Admission, Ticket
 from checkmate.control import BucketLayout as LayoutMessage
 from checkmate.control import (
     Commit,
@@ -32,13 +33,13 @@ from checkmate.control import (
     RestoreRequest,
     StatusReport,
     StatusRequest,
+    decode_message,
     job_state_of,
-    recv_message,
     send_message,
     torch_dtype,
     validate_data_position,
 )
-from checkmate.control_frame import bind
+from checkmate.control_frame import ControlSession, FrameAuthError, bind
 from checkmate.job import JobSpec, JobSpecError
 from checkmate.optimizers import OptimizerReplayError, optimizer_class
 from shadow.iteration_window import BucketLayout, DropReason, IterationWindow, ParameterSlot
@@ -59,6 +60,7 @@ class ControlServer(NodeState):
     """The control port's part of a shadow node: job_start, bucket_layout, commit, status, restore."""
 
     def _accept_loop(self) -> None:
+        self._admission = Admission(f"shadow {self.name}", self.config.control_limits, self._drop)
         while not self._stop.is_set():
             try:
                 conn, peer = self._tcp.accept()
@@ -69,20 +71,35 @@ class ControlServer(NodeState):
                     return
                 logger.warning("shadow %s: accept failed: %s", self.name, exc)
                 continue
+            ticket = self._admission.admit(conn, peer[0])
+            if ticket is None:
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            bind(conn, self._control_auth, self.config.job_id, server=True)
+            session = bind(
+                conn, self._control_auth, self.config.job_id, server=True, name=self.name, hello_timeout=1.0
+            )
             threading.Thread(
-                target=self._serve, args=(conn, peer), name=f"shadow-{self.name}-conn", daemon=True
+                target=self._serve,
+                args=(conn, peer, session, ticket),
+                name=f"shadow-{self.name}-conn",
+                daemon=True,
             ).start()
 
-    def _serve(self, conn: socket.socket, peer: Addr) -> None:
+    def _serve(self, conn: socket.socket, peer: Addr, session: ControlSession, ticket: Ticket) -> None:
         is_control = False
         retired_at: float | None = None
+        admission = self._admission
+        poller = select.poll()  # not select(): descriptors past 1024 are fine
+        poller.register(conn, select.POLLIN)
         try:
             while not self._stop.is_set():
+                if ticket.evicted is not None:
+                    return  # closed to make room (counted and logged by the admission)
                 if retired_at is None and conn in self._retiring:
                     retired_at = time.monotonic()
-                readable, _, _ = select.select([conn], [], [], 0.2)
+                if conn.fileno() < 0:
+                    return  # closed by another thread (rank 0 reconnected)
+                readable = bool(poller.poll(200))
                 if retired_at is not None:
                     # Said goodbye: what rank 0 sent meanwhile is discarded (unread bytes at close
                     # would reset the connection and could lose the goodbye and a 'diverged').
@@ -92,10 +109,35 @@ class ControlServer(NodeState):
                         return  # rank 0 closed its side (or never did)
                     continue
                 if not readable:
+                    if admission.expired(ticket):
+                        admission.refuse(
+                            "control_auth_timeout",
+                            f"connection from {peer[0]}:{peer[1]} sent no authenticated frame within "
+                            f"{admission.limits.auth_timeout:g} s",
+                        )
+                        return
                     if is_control and self._control_conn is not conn:
                         return  # replaced by a newer connection from rank 0
                     continue
-                message = recv_message(conn, timeout=self.config.io_timeout)
+                head_timeout = None
+                if not ticket.authenticated:  # the whole head by the authentication deadline
+                    left = admission.limits.auth_timeout - (time.monotonic() - ticket.accepted)
+                    head_timeout = max(0.05, min(left, self.config.io_timeout))
+                try:
+                    text, blob = session.recv(conn, self.config.io_timeout, head_timeout=head_timeout)
+                except FrameAuthError as exc:
+                    admission.refuse("control_unauthenticated", f"connection from {peer[0]}:{peer[1]}: {exc}")
+                    return
+                except (TimeoutError, ControlProtocolError) as exc:
+                    if ticket.authenticated:
+                        raise
+                    cause = "control_auth_timeout" if isinstance(exc, TimeoutError) else "control_malformed"
+                    admission.refuse(cause, f"connection from {peer[0]}:{peer[1]}: {exc}")
+                    return
+                admission.authenticated(ticket)
+                if not text and not blob:
+                    continue  # the client's proof of the key (checkmate.control_frame)
+                message = decode_message(text, blob)
                 if isinstance(message, JobStart):
                     if not is_control:
                         is_control = True
@@ -119,6 +161,7 @@ class ControlServer(NodeState):
         except (OSError, ControlProtocolError) as exc:
             logger.info("shadow %s: connection from %s closed: %s", self.name, peer, exc)
         finally:
+            admission.release(ticket)
             with self._lock:
                 if self._control_conn is conn:
                     self._control_conn = None

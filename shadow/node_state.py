@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from checkmate.admission import ControlLimits
 from checkmate.auth import DatagramKeys
 from checkmate.control import BucketSpec, JobStart, Message, ParamSpec, RestoreRefused, RestoreRequest
 from checkmate.control_frame import ControlAuth
@@ -56,6 +57,8 @@ class ShadowConfig:
     """Ask rank 0 for fresh state (goodbye + reconnect) when an iteration cannot be repaired."""
     io_timeout: float = 10.0
     """Timeout of each control-channel read and write."""
+    control_limits: ControlLimits = field(default_factory=ControlLimits)
+    """Control connections: authentication deadline, caps per source and in all (checkmate.admission)."""
     recv_buffer_bytes: int = 64 << 20
     secret: bytes | None = None
     """The job secret (None: this process's, :func:`checkmate.auth.secret_from_env`; none -> error)."""

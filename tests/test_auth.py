@@ -13,11 +13,21 @@ import pytest
 
 from checkmate.auth import AuthConfigError, DatagramAuth, parse_secret, secret_from_env
 from checkmate.control import Commit, StatusRequest, encode_message, recv_message, send_message
-from checkmate.control_frame import ControlAuth, ControlProtocolError, ControlSession, FrameAuthError, bind
+from checkmate.control_frame import (
+    FRAME_TAG_BYTES,
+    HEAD_BYTES,
+    ControlAuth,
+    ControlProtocolError,
+    ControlSession,
+    FrameAuthError,
+    bind,
+)
 from controller.cli import main as ctl
 from controller.job_secrets import JobSecretError, JobSecrets
 
 SECRET = bytes(range(32))
+PROOF_BYTES = HEAD_BYTES + FRAME_TAG_BYTES
+"""The client's first frame (empty: it proves the key)."""
 OTHER = bytes(range(1, 33))
 
 
@@ -77,12 +87,26 @@ def test_registry_keeps_secrets_private_and_checks_job_files(
         secrets.read(5)
 
 
-def _pair(client: bytes = SECRET, server: bytes = SECRET) -> tuple[socket.socket, socket.socket, ControlAuth]:
+def _pair(
+    client: bytes = SECRET, server: bytes = SECRET, name: str = "s0", expect: str | None = None
+) -> tuple[socket.socket, socket.socket, ControlSession]:
+    """A connected pair: ``a`` the client (bound after the server wrote its hello), ``b`` the server."""
     a, b = socket.socketpair()
-    server_auth = ControlAuth(server)
-    bind(a, ControlAuth(client), 7)
-    bind(b, server_auth, 7, server=True)
-    return a, b, server_auth
+    server_session = bind(b, ControlAuth(server), 7, server=True, name=name)
+    bind(a, ControlAuth(client), 7, name=expect)
+    return a, b, server_session
+
+
+def _raw(sock: socket.socket) -> bytes:
+    """Whatever is waiting on ``sock`` (what a tap on the wire would have recorded)."""
+    sock.settimeout(0.5)
+    data = bytearray()
+    try:
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    except TimeoutError:
+        pass
+    return bytes(data)
 
 
 def test_frames_with_another_key_or_no_mac_are_refused() -> None:
@@ -91,59 +115,72 @@ def test_frames_with_another_key_or_no_mac_are_refused() -> None:
         send_message(a, StatusRequest(7), 1.0)
         with pytest.raises(FrameAuthError, match="wrong or no secret"):
             recv_message(b, 1.0)
-    a, b, _ = _pair()
+    for version in (b"CMC1", b"CMC2"):
+        a, b, _ = _pair()
+        with a, b:
+            text = bytes(encode_message(StatusRequest(7))[1])
+            a.sendall(version + len(text).to_bytes(4, "big") + bytes(8) + text + bytes(60))
+            with pytest.raises(ControlProtocolError, match=f"version {version[3] - 48} frame"):
+                recv_message(b, 1.0)
+
+
+def test_a_client_reads_the_hello_and_checks_the_server_it_meant() -> None:
+    a, b, _ = _pair(expect="s0")
     with a, b:
-        text = bytes(encode_message(StatusRequest(7))[1])
-        a.sendall(b"CMC1" + len(text).to_bytes(4, "big") + bytes(8) + text)
-        with pytest.raises(ControlProtocolError, match="version 1 frame"):
-            recv_message(b, 1.0)
+        send_message(a, StatusRequest(7), 1.0)
+        assert isinstance(recv_message(b, 1.0), StatusRequest)
+    a, b, _ = _pair(name="s1", expect="s0")
+    with a, b, pytest.raises(FrameAuthError, match="says it is 's1', not 's0'"):
+        send_message(a, StatusRequest(7), 1.0)
+    a, b = socket.socketpair()  # a server of protocol 2 says nothing first
+    with a, b, pytest.raises(TimeoutError, match="no hello from the server within 0.2 s"):
+        bind(a, ControlAuth(SECRET), 7, hello_timeout=0.2)
+        send_message(a, StatusRequest(7), 1.0)
 
 
 def test_replayed_reflected_and_reordered_frames_are_refused() -> None:
-    class Capture:
-        def __init__(self) -> None:
-            self.data = bytearray()
-
-        def settimeout(self, _: float) -> None:
-            pass
-
-        def sendall(self, chunk: bytes) -> None:
-            self.data += bytes(chunk)
-
-    server_auth = ControlAuth(SECRET)
-    recorded = Capture()
-    session = ControlSession(ControlAuth(SECRET), 7)
-    for i in range(2):
-        session.send(recorded, encode_message(Commit(7, i, [0.1]))[1:], 7, 1.0)  # type: ignore[arg-type]
-    a, b = socket.socketpair()
-    bind(b, server_auth, 7, server=True)
+    a, b, server = _pair()
     with a, b:
-        a.sendall(recorded.data)
-        assert [recv_message(b, 1.0).iteration for _ in range(2)] == [0, 1]  # type: ignore[union-attr]
-    a, b = socket.socketpair()  # the same bytes on a new connection: a replay
-    bind(b, server_auth, 7, server=True)
+        for i in range(2):
+            send_message(a, Commit(7, i, [0.1]), 1.0)
+        recorded = _raw(b)  # the client's two frames, as a tap saw them
+        tap_a, tap_b = socket.socketpair()
+        with tap_a, tap_b:
+            tap_a.sendall(recorded)
+            for _ in range(3):  # the proof and two commits: genuine on the connection they were made for
+                server.recv(tap_b, 1.0)
+    # the same bytes on a new connection, to the same node or another one: its nonce differs
+    for name in ("s0", "s1"):
+        c, d = socket.socketpair()
+        bind(d, ControlAuth(SECRET), 7, server=True, name=name)
+        with c, d:
+            _raw(c)  # the hello
+            c.sendall(recorded)
+            with pytest.raises(FrameAuthError, match="recorded elsewhere or earlier and replayed"):
+                recv_message(d, 1.0)
+    a, b, server = _pair()  # the second frame alone: out of sequence
     with a, b:
-        a.sendall(recorded.data)
-        with pytest.raises(FrameAuthError, match="seen before"):
-            recv_message(b, 1.0)
-    first_frame_len = len(recorded.data) // 2
-    fresh = Capture()
-    session = ControlSession(ControlAuth(SECRET), 7)
-    for i in range(2):
-        session.send(fresh, encode_message(Commit(7, i, [0.1]))[1:], 7, 1.0)  # type: ignore[arg-type]
-    a, b = socket.socketpair()  # the second frame alone: out of sequence
-    bind(b, server_auth, 7, server=True)
-    with a, b:
-        a.sendall(fresh.data[first_frame_len:])
-        with pytest.raises(FrameAuthError, match="sequence 1, expected 0"):
-            recv_message(b, 1.0)
-    a, b = socket.socketpair()  # a server's frame sent back to a server: the other direction's key
-    bind(a, server_auth, 7, server=True)
-    bind(b, ControlAuth(SECRET), 7, server=True)
+        for i in range(2):
+            send_message(a, Commit(7, i, [0.1]), 1.0)
+        raw = _raw(b)
+        proof, frames = raw[:PROOF_BYTES], raw[PROOF_BYTES:]
+        tap_a, tap_b = socket.socketpair()
+        with tap_a, tap_b:
+            tap_a.sendall(proof + frames[len(frames) // 2 :])
+            server.recv(tap_b, 1.0)  # the proof: the connection's frame 0
+            with pytest.raises(FrameAuthError, match="sequence 2, expected 1"):
+                server.recv(tap_b, 1.0)
+    a, b, server = _pair()  # the server's own answer sent back to it: the other direction's key
     with a, b:
         send_message(a, StatusRequest(7), 1.0)
-        with pytest.raises(FrameAuthError):
-            recv_message(b, 1.0)
+        recv_message(b, 1.0)
+        send_message(b, StatusRequest(7), 1.0)
+        reflected = _raw(a)
+        tap_a, tap_b = socket.socketpair()
+        with tap_a, tap_b:
+            tap_a.sendall(reflected)
+            with pytest.raises(FrameAuthError):
+                server.recv(tap_b, 1.0)
 
 
 def test_datagram_tags_cover_every_byte() -> None:

@@ -217,7 +217,7 @@ def test_json_output_has_each_shadows_status_document(
     [
         ("refused", "connection refused (no shadow listening)"),
         ("silent", "no answer within 0.5 s"),
-        ("garbage", "bad reply: bad frame magic b'HTTP', expected b'CMC2'"),
+        ("garbage", "bad reply: bad frame magic b'HTTP', expected b'CMC3'"),
         ("wrong_type", "bad reply: 'status_request' to a status request"),
     ],
 )

@@ -17,12 +17,15 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from checkmate.auth import DatagramAuth, secret_from_env
+from checkmate.admission import ControlLimits
+from checkmate.auth import DatagramAuth
 from checkmate.control import (
+    BucketLayout,
     Commit,
     JobStart,
     RestoreRequest,
@@ -32,13 +35,25 @@ from checkmate.control import (
     recv_message,
     send_message,
 )
-from checkmate.control_frame import HEAD_BYTES, PREFIX, ControlAuth, ControlSession, bind
+from checkmate.control_frame import HEAD_BYTES, HELLO, MAGIC, PREFIX, ControlAuth, bind
 from checkmate.wire import CheckmateHeader, DType, MessageType, encode
 from hosts.transport import Transport, TransportConfig
 from shadow.node import ShadowConfig, ShadowNode
 from shadow.repair import RepairPolicy
 from tests.reliability.record import Recorder
-from tests.shadow.test_node import GRAD, INITIAL, JOB, datagram, join, reference, wait_for, worker_socket
+from tests.shadow.test_node import (
+    GRAD,
+    INITIAL,
+    JOB,
+    LAYOUT,
+    Rank0,
+    datagram,
+    job_start,
+    join,
+    reference,
+    wait_for,
+    worker_socket,
+)
 
 TRIALS = 40
 WRONG_SECRET = bytes.fromhex("77" * 32)
@@ -278,17 +293,71 @@ def test_forged_repair_answers_never_change_a_shadow(node: ShadowNode, reliabili
 
 
 # ---- the control port --------------------------------------------------------------------
-class _Capture:
-    """A socket stand-in that keeps what a session writes (to replay it later)."""
+class Tap:
+    """A TCP relay in front of a shadow's control port that records what clients send through it
+    (an attacker on the path, or with a copy of the traffic)."""
 
-    def __init__(self) -> None:
-        self.data = bytearray()
+    def __init__(self, target: tuple[str, int], host: str = "127.0.0.98") -> None:
+        self.target = target
+        self.recorded: list[bytearray] = []
+        self._server = socket.create_server((host, 0))
+        self._server.settimeout(0.1)
+        self.address = self._server.getsockname()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
 
-    def settimeout(self, _: float) -> None:
-        pass
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target, timeout=5)
+            record = bytearray()
+            self.recorded.append(record)
+            for src, dst, keep in ((client, upstream, record), (upstream, client, None)):
+                thread = threading.Thread(target=self._pump, args=(src, dst, keep), daemon=True)
+                thread.start()
+                self._threads.append(thread)
 
-    def sendall(self, data: bytes | bytearray | memoryview) -> None:
-        self.data += bytes(data)
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, keep: bytearray | None) -> None:
+        src.settimeout(None)
+        try:
+            while chunk := src.recv(1 << 16):
+                if keep is not None:
+                    keep += chunk
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._server.close()
+
+
+def _hello_bytes(node: ShadowNode) -> int:
+    """What a shadow says first on every connection (its hello; protocol version 3)."""
+    return HELLO.size + len(node.name.encode())
+
+
+def _replay(node: ShadowNode, recorded: bytes, timeout: float = 3.0) -> int:
+    """Bytes a shadow sends back, beyond its hello, to a recorded connection replayed to it."""
+    with socket.create_connection(node.control_address, timeout=2) as conn:
+        try:
+            conn.sendall(recorded)
+        except OSError:
+            pass  # closed after the first head: that is the refusal
+        return max(0, _answer_bytes(conn, timeout) - _hello_bytes(node))
 
 
 def _answer_bytes(conn: socket.socket, timeout: float = 3.0) -> int:
@@ -344,26 +413,20 @@ def test_rogue_job_start_and_restore_requests_without_the_secret(
                     conn.sendall(b"CMC1" + struct.pack("!IQ", len(text), len(blobs)) + text + blobs)
             except OSError:
                 pass  # the shadow closed the connection after the head: that is the refusal
-            got = _answer_bytes(conn)
+            got = _answer_bytes(conn) - (0 if i % 4 < 2 else _hello_bytes(node))  # bind() read the hello
         answered += got > 0
         comparisons += 1
         differed += got > 0
-    # a genuine restore request, recorded, then replayed on new connections
-    capture = _Capture()
-    ControlSession(ControlAuth(secret_from_env()), JOB).send(
-        capture,  # type: ignore[arg-type]
-        encode_message(RestoreRequest(JOB, None, 0.0))[1:],
-        JOB,
-        2.0,
-    )
-    with socket.create_connection(node.control_address, timeout=2) as conn:
-        conn.sendall(capture.data)
-        genuine = _answer_bytes(conn, timeout=1.0)
+    # a genuine restore request, recorded on its way to the shadow, then replayed on new connections
+    tap = Tap(node.control_address)
+    with socket.create_connection(tap.address, timeout=2) as conn:
+        send_message(conn, RestoreRequest(JOB, None, 0.0), timeout=2)
+        genuine = isinstance(recv_message(conn, timeout=5), JobStart)  # the shadow's state
+    tap.close()
+    recorded = bytes(tap.recorded[0])
     replays = 0
     for _ in range(TRIALS // 4):
-        with socket.create_connection(node.control_address, timeout=2) as conn:
-            conn.sendall(capture.data)
-            got = _answer_bytes(conn)
+        got = _replay(node, recorded)
         replays += 1
         comparisons += 1
         differed += got > 0
@@ -372,7 +435,7 @@ def test_rogue_job_start_and_restore_requests_without_the_secret(
     differed += int(status["job_id"] != JOB or status["applied_iteration"] != 0) + _state_differs(node, 1)
     reliability.compare(comparisons, differed)
     rank0.close()
-    assert genuine > 1000, "the genuine restore request was not answered: the test proves nothing"
+    assert genuine, "the genuine restore request got no state: the test proves nothing"
     assert differed == 0, (answered, status)
     reliability.record(
         area="bad input",
@@ -386,6 +449,184 @@ def test_rogue_job_start_and_restore_requests_without_the_secret(
         f"requests; half v1 frames, half another job's key) and {replays} replays of a genuine restore "
         f"request: every connection closed with 0 bytes of state sent (the genuine request got {genuine} "
         "bytes); job, applied iteration and parameters unchanged (bit-equal to torch.optim.SGD)",
+    )
+
+
+def _second_shadow(tmp_path: Path, name: str = "s1", host: str = "127.0.0.51") -> ShadowNode:
+    return ShadowNode(
+        ShadowConfig(
+            name=name,
+            control_bind=(host, 0),
+            data_bind=(host, 0),
+            status_file=tmp_path / f"status-{name}.json",
+            horizon=4,
+            io_timeout=2.0,
+            repair=RepairPolicy(grace=5.0),
+        )
+    ).start()
+
+
+def _join_through(node: ShadowNode, tap: Tap) -> Rank0:
+    """Rank 0 joining ``node`` through ``tap`` (which records the whole genuine stream)."""
+    rank0 = Rank0(SimpleNamespace(control_address=tap.address))  # type: ignore[arg-type]
+    rank0.send(job_start([("127.0.0.60", 9), ("127.0.0.61", 9)]))
+    rank0.send(BucketLayout(JOB, 0, LAYOUT))
+    assert wait_for(lambda: node.status()["state"] == "running", timeout=60), node.status()
+    return rank0
+
+
+def test_connections_recorded_at_one_shadow_are_useless_at_another_and_later(
+    node: ShadowNode, tmp_path: Path, reliability: Recorder
+) -> None:
+    case = (
+        "control connections recorded on the wire (rank 0's whole stream: job_start, layout, commit; a "
+        "restore request) replayed to the job's other shadow and to the same shadow later"
+    )
+    compared = (
+        "per replayed connection: bytes the shadow sent back beyond its hello (must be 0); per shadow: job, "
+        "applied iteration and parameters before and after"
+    )
+    reliability.begin(area="bad input", case=case, target="shadow node (control port)", compared=compared)
+    other = _second_shadow(tmp_path)
+    taps = {n.name: Tap(n.control_address) for n in (node, other)}
+    try:
+        links = {n.name: _join_through(n, taps[n.name]) for n in (node, other)}
+        for n in (node, other):
+            links[n.name].send(Commit(JOB, 0, [0.1]))
+        with worker_socket() as sender:
+            for data in (datagram(0, 0, GRAD[:8]), datagram(0, 8, GRAD[8:])):
+                sender.sendto(data, node.data_address)
+            # s1 owns bucket 1 (shard key 1)
+            sender.sendto(datagram(0, 0, GRAD[:6], bucket_id=1, shard_key=1), other.data_address)
+        assert node.wait_applied(0, 10) and other.wait_applied(0, 10), (node.status(), other.status())
+        restores = {}
+        for n in (node, other):
+            with socket.create_connection(taps[n.name].address, timeout=2) as conn:
+                send_message(conn, RestoreRequest(JOB, None, 0.0), timeout=2)
+                restores[n.name] = isinstance(recv_message(conn, timeout=5), JobStart)
+        for n in (node, other):
+            links[n.name].close()  # rank 0 gone: a replay would be the shadow's only control connection
+        time.sleep(0.3)
+        before = {n.name: (n.status()["applied_iteration"], n.parameters()) for n in (node, other)}
+        recordings = {n: [bytes(r) for r in tap.recorded] for n, tap in taps.items()}
+        comparisons = differed = answered = 0
+        for _ in range(TRIALS // 8):
+            for source, target in (("s0", other), ("s1", node), ("s0", node), ("s1", other)):
+                for recorded in recordings[source]:  # the rank-0 stream, then the restore request
+                    got = _replay(target, recorded, timeout=1.0)
+                    comparisons += 1
+                    answered += got > 0
+                    differed += got > 0
+        for n in (node, other):
+            applied, params = before[n.name]
+            now = n.status()
+            comparisons += 1
+            differed += int(
+                now["applied_iteration"] != applied
+                or now["job_id"] != JOB
+                or any(not torch.equal(n.parameters()[k], v) for k, v in params.items())
+            )
+        refused = sum(_drops(n, "control_unauthenticated") for n in (node, other))
+    finally:
+        for tap in taps.values():
+            tap.close()
+        other.close()
+    reliability.compare(comparisons, differed)
+    assert all(restores.values()), "a genuine restore request got no state: the test proves nothing"
+    assert differed == 0, (answered, node.status()["drops"])
+    reliability.record(
+        area="bad input",
+        case=case,
+        target="shadow node (control port)",
+        trials=comparisons - 2,
+        compared=compared,
+        comparisons=comparisons,
+        differed=differed,
+        held=f"{comparisons - 2} replays (each recording to the other shadow and to the same shadow after "
+        f"rank 0 left): {answered} answered, {refused} refused at the first frame as not authenticated "
+        "with the connection's key (counted control_unauthenticated); both shadows' job, applied iteration "
+        "and parameters unchanged",
+    )
+
+
+def test_idle_connection_floods_and_descriptors_past_1024_block_nobody(
+    tmp_path: Path, reliability: Recorder
+) -> None:
+    case = (
+        "idle TCP connections that never authenticate (from 4 hosts, 8x the per-source cap) while the "
+        "shadow's descriptors are past 1024 (select()'s limit)"
+    )
+    compared = (
+        "per idle connection: closed by the shadow (counted by cause); per genuine status request and "
+        "rank 0 reconnect meanwhile: answered"
+    )
+    reliability.begin(area="bad input", case=case, target="shadow node (control port)", compared=compared)
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # later sockets get fds > 1024
+    limits = ControlLimits(auth_timeout=1.0, max_pending_per_source=4, max_pending=12)
+    shadow = ShadowNode(
+        ShadowConfig(
+            name="s0",
+            control_bind=(SHADOW_HOST, 0),
+            data_bind=(SHADOW_HOST, 0),
+            status_file=tmp_path / "status.json",
+            horizon=4,
+            io_timeout=2.0,
+            control_limits=limits,
+        )
+    ).start()
+    idle: list[socket.socket] = []
+    try:
+        sources = [f"127.0.0.{91 + i}" for i in range(4)]
+        for i in range(8 * limits.max_pending_per_source * len(sources)):
+            sock = socket.socket()
+            sock.bind((sources[i % 4], 0))
+            sock.connect(shadow.control_address)
+            idle.append(sock)
+        assert min(s.fileno() for s in idle) > 1024
+        answered = 0
+        for _ in range(5):
+            try:
+                _status_latency(shadow)
+                answered += 1
+            except (OSError, AssertionError, ValueError):
+                pass
+        rank0 = join(shadow)  # rank 0's connection, made while the flood holds its slots
+        rank0.close()
+        rank0 = join(shadow)  # and its reconnect
+        rank0.close()
+        closed = 0
+        for sock in idle:
+            sock.settimeout(30)
+            try:
+                while sock.recv(1 << 10):
+                    pass
+                closed += 1
+            except (TimeoutError, OSError):
+                pass
+        drops = shadow.status()["drops"]
+        causes = {k: v for k, v in drops.items() if k.startswith("control_")}
+    finally:
+        for sock in idle:
+            sock.close()
+        shadow.close()
+        for fd in filler:
+            os.close(fd)
+    comparisons = len(idle) + 5 + 2
+    differed = (len(idle) - closed) + (5 - answered)
+    reliability.compare(comparisons, differed)
+    by_cause = ", ".join(f"{k} {v}" for k, v in sorted(causes.items()))
+    assert differed == 0, (closed, answered, causes)
+    assert sum(causes.values()) >= len(idle), causes
+    reliability.record(
+        area="bad input",
+        case=case,
+        target="shadow node (control port)",
+        trials=len(idle),
+        compared=compared,
+        comparisons=comparisons,
+        differed=differed,
+        held=f"{closed}/{len(idle)} idle connections closed by the shadow ({by_cause}); {answered}/5 "
+        "status requests answered and rank 0 joined twice meanwhile, all on descriptors > 1024",
     )
 
 
@@ -415,9 +656,9 @@ def test_oversized_and_slow_drip_control_messages_block_nobody(
     # oversized: a head announcing a huge frame, with a made-up tag
     for i in range(TRIALS // 2):
         with socket.create_connection(node.control_address, timeout=2) as conn:
-            head = PREFIX.pack(b"CMC2", 64 << 20, (1 << 40) if i % 2 else 0)
+            head = PREFIX.pack(MAGIC, 64 << 20, (1 << 40) if i % 2 else 0)
             conn.sendall(head + os.urandom(HEAD_BYTES - PREFIX.size) + b"x" * 1024)
-            got = _answer_bytes(conn)
+            got = _answer_bytes(conn) - _hello_bytes(node)
         comparisons += 1
         differed += got > 0
     # slow drip: clients that send one byte a second, all at once
@@ -429,7 +670,7 @@ def test_oversized_and_slow_drip_control_messages_block_nobody(
         with socket.create_connection(node.control_address, timeout=5) as conn:
             began = time.monotonic()
             conn.settimeout(1.0)
-            for byte in b"CMC2" + bytes(200):
+            for byte in MAGIC + bytes(200):
                 try:
                     conn.sendall(bytes([byte]))
                     if conn.recv(1) == b"":  # waits up to 1 s: the drip's pace
