@@ -243,10 +243,38 @@ class Pipeline:
 
     def _refresh(self) -> None:
         """Drop cached decisions if any table changed since they were made."""
-        token = tuple((t.generation, t.default_action) for t in self._tables)
+        token = self._cache_token()
         if token != self._token:
             self._cache = {}
             self._token = token
+
+    def _cache_token(self) -> tuple[object, ...]:
+        """Equal for as long as cached decisions stay valid (every table's entries and default action)."""
+        return tuple((t.generation, t.default_action) for t in self._tables)
+
+    # ---- what a compiled flow cache (embedded_switch.native) calls -------------------------------
+    def cache_view(self) -> tuple[tuple[object, ...], dict[int, tuple[Replica, ...]]]:
+        """Once per batch: the token cached decisions are valid for, and the multicast groups.
+
+        A decision that chose a multicast group holds only while the group maps to the very
+        replica tuple the decision names (identity, as on the Python cached path).
+        """
+        return self._cache_token(), self._state.multicast_groups
+
+    def native_miss(self, frame: bytes, port: int) -> tuple[list[tuple[int, bytearray]], _Decision | None]:
+        """One frame the compiled cache could not handle, run exactly as :meth:`process` would.
+
+        Counts what the frame counts and returns its outputs, with the decision a cache may
+        keep under the frame's key (None: nothing to keep — a frame shorter than the key, a
+        per-packet drop such as a bad checksum, or a pipeline built with ``cache=False``).
+        """
+        n = len(frame)
+        result: list[tuple[int, bytearray]] = []
+        decision = self._decide(frame, n, port)
+        if decision is None:
+            return result, None
+        self._execute(decision, frame, n, result)
+        return result, decision if n >= _CHECKMATE_END and self._use_cache else None
 
     # ---- the packet path --------------------------------------------------------------------------
     def process(self, frame: Buffer, ingress_port: int) -> list[tuple[int, bytearray]]:

@@ -8,6 +8,14 @@ preallocated buffers, runs them through the :class:`Pipeline` and sends what
 comes out. Frames up to :data:`MAX_FRAME_BYTES` (MTU 9000 jumbo frames plus
 Ethernet and VLAN headers) pass whole.
 
+Two data paths do this (``PortsConfig.datapath``, ``checkmate-switch --datapath``):
+``python``, the reference loop below (one ``recv_into`` and one ``send`` per frame),
+and ``native`` (:mod:`embedded_switch.native`): the same loop in C with ``recvmmsg``
+and ``sendmmsg`` per batch and the pipeline's cached flows compiled; frames to the
+CPU port, to fault-injected or missing ports, packet-outs and port errors still come
+back here. ``native`` falls back to ``python`` (one warning) when the extension is not
+built, and pcap capture (``pcap_dir``) always runs the Python path.
+
 Nothing is dropped silently: frames received while no pipeline is loaded,
 sent to a port without an interface, refused by the kernel, truncated, or
 dropped on purpose by fault injection are counted in the pipeline's
@@ -44,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from embedded_switch import native
 from embedded_switch.pipeline import Buffer, DropReason, DropStats, Pipeline
 from embedded_switch.state import SwitchState
 
@@ -97,6 +106,8 @@ class PortsConfig:
     """Frames taken from one port before the loop looks at the others."""
     profile_path: Path | None = None
     """Write cProfile statistics of the I/O thread here when it stops (a development aid)."""
+    datapath: str = native.DATAPATHS[0]
+    """``native`` (C, when built) or ``python`` (the reference); see the module docstring."""
 
 
 @dataclass
@@ -222,7 +233,12 @@ class SwitchPorts:
         self.config = config
         self.drops = drops if drops is not None else DropStats()
         self.on_packet_in = on_packet_in
-        self._pipeline: Pipeline | None = Pipeline(state, self.drops) if state is not None else None
+        self.datapath = native.resolve_datapath(config.datapath)
+        """The data path that runs: ``native`` or ``python``."""
+        if self.datapath == "native" and config.pcap_dir is not None:
+            logger.info("pcap capture runs on the Python data path")
+            self.datapath = "python"
+        self._pipeline: Pipeline | None = self._make_pipeline(state)
         if config.pcap_dir is not None:
             config.pcap_dir.mkdir(parents=True, exist_ok=True)
         self.ports: dict[int, PacketPort] = {}
@@ -251,10 +267,15 @@ class SwitchPorts:
         self._thread: threading.Thread | None = None
 
     # ---- control --------------------------------------------------------------------------------
+    def _make_pipeline(self, state: SwitchState | None) -> Pipeline | None:
+        if state is None:
+            return None
+        return native.make_pipeline(self.datapath, state, self.drops)
+
     def set_state(self, state: SwitchState | None) -> None:
         """Run the pipeline over ``state`` from the next packet on (None: drop everything)."""
         # A new Pipeline object, swapped in whole: the I/O thread reads the reference once per batch.
-        self._pipeline = Pipeline(state, self.drops) if state is not None else None
+        self._pipeline = self._make_pipeline(state)
         logger.info("pipeline %s", "loaded" if state is not None else "removed")
 
     def inject(self, frame: bytes, port: int) -> None:
@@ -295,13 +316,15 @@ class SwitchPorts:
 
     # ---- the loop -------------------------------------------------------------------------------
     def _run(self) -> None:
+        logger.info("data path: %s", self.datapath)
+        loop = self._loop if self.datapath == "python" else self._loop_native
         if self.config.profile_path is None:
-            self._loop()
+            loop()
             return
         profiler = cProfile.Profile()
         profiler.enable()
         try:
-            self._loop()
+            loop()
         finally:
             profiler.disable()
             profiler.dump_stats(self.config.profile_path)
@@ -337,6 +360,49 @@ class SwitchPorts:
         finally:
             poller.close()
             self._flush_pcaps()
+            self._collect_kernel_drops()
+
+    def _loop_native(self) -> None:
+        """The loop of :meth:`_loop` with receiving, cached flows and sending in C (``PortIO.poll``,
+        which reads ``self._pipeline`` once per ready port, as :meth:`_receive` does)."""
+        io = native.extension().PortIO(
+            [
+                (p.port, p.fileno(), p.sees_outgoing, n in self._plain_ports, p.stats)
+                for n, p in self.ports.items()
+            ],
+            self._wake_fd,
+            self,
+            self.drops,
+            (DropReason.RX_TRUNCATED, DropReason.NO_PIPELINE, DropReason.TX_ERROR),
+            self.config.batch,
+            _RX_BUFFER_BYTES,
+        )
+        next_stats = time.monotonic() + _KERNEL_STATS_INTERVAL_S
+        try:
+            while not self._stop.is_set():
+                woken, specials, errors = io.poll(250)
+                for egress_port, frame, ingress_port in specials:
+                    self._transmit_special(egress_port, frame, ingress_port)
+                for port_number, code, what in errors:
+                    port = self.ports[port_number]
+                    if what == "interface":
+                        logger.error("port %d (%s): interface error, port disabled", port.port, port.iface)
+                    elif what == "receive":
+                        logger.warning("port %d (%s): %s", port.port, port.iface, os.strerror(code))
+                    else:
+                        logger.debug(
+                            "port %d (%s): send failed: %s", port.port, port.iface, os.strerror(code)
+                        )
+                if woken:
+                    self._drain_injected()
+                if time.monotonic() >= next_stats:
+                    self._collect_kernel_drops()
+                    next_stats = time.monotonic() + _KERNEL_STATS_INTERVAL_S
+        except Exception:
+            logger.exception("I/O loop failed")
+            raise
+        finally:
+            io.close()
             self._collect_kernel_drops()
 
     def _collect_kernel_drops(self) -> None:

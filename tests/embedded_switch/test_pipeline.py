@@ -2,7 +2,9 @@
 
 Each test states the input frame and ingress port, relies on the entries of
 tests/switch_cases.py, and expects exact frames on exact ports and exact
-counter values. Every case runs twice (cold, then from the decision cache).
+counter values. Every case runs twice (cold, then from the decision cache), and
+on both data paths: the Python reference and the native one (the compiled flow
+cache of embedded_switch.native, skipped when the extension is not built).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from scapy.packet import Packet
 
 from checkmate.p4.p4info import load_p4info
 from checkmate.scapy_layer import Checkmate
+from embedded_switch import native
 from embedded_switch.pipeline import DropReason, Pipeline, ipv4_checksum
 from embedded_switch.program import build_state
-from embedded_switch.state import FieldMatch, MatchKind, Replica, SwitchState
+from embedded_switch.state import ActionCall, FieldMatch, MatchKind, Replica, SwitchState
 from tests import switch_cases as sc
 from tests.p4_source import read_program
 
@@ -33,9 +36,21 @@ def state() -> SwitchState:
     return s
 
 
-@pytest.fixture
-def pipeline(state: SwitchState) -> Pipeline:
-    return Pipeline(state)
+NATIVE = pytest.mark.skipif(
+    not native.available(), reason=f"native data path not built: {native.IMPORT_ERROR}"
+)
+DATAPATHS = ["python", pytest.param("native", marks=NATIVE)]
+
+
+def make(datapath: str, state: SwitchState, cache: bool = True) -> Pipeline:
+    if datapath == "native":
+        return native.NativePipeline(state, cache=cache)
+    return Pipeline(state, cache=cache)
+
+
+@pytest.fixture(params=DATAPATHS)
+def pipeline(state: SwitchState, request: pytest.FixtureRequest) -> Pipeline:
+    return make(request.param, state)
 
 
 def run(pipeline: Pipeline, pkt: Packet | bytes, port: int = sc.W0_PORT) -> list[tuple[int, bytes]]:
@@ -284,6 +299,26 @@ def test_a_new_state_replaces_the_old(pipeline: Pipeline) -> None:
     assert pipeline.state.counter("ingress_drops").read(DropReason.NO_ROUTE)[0] == 1
 
 
+def test_default_action_and_counter_writes_under_the_cache(pipeline: Pipeline, state: SwitchState) -> None:
+    pkt = bytes(sc.udp_packet(dst_ip="192.168.9.9"))
+    assert pipeline.process(pkt, sc.W0_PORT) == []
+    route = state.table("route_ipv4")
+    route.default_action = ActionCall("forward", (sc.W1_PORT, sc.mac(sc.SWITCH_MAC), sc.mac(sc.W1_MAC)))
+    assert [p for p, _ in pipeline.process(pkt, sc.W0_PORT)] == [sc.W1_PORT]
+    drops = state.counter("ingress_drops")
+    drops.packets, drops.bytes = [5] * drops.size, [7] * drops.size  # as a P4Runtime counter write does
+    route.default_action = ActionCall("drop_no_route")
+    assert pipeline.process(pkt, sc.W0_PORT) == []
+    assert drops.read(DropReason.NO_ROUTE) == (6, 7 + len(pkt))
+
+
+def test_many_flows_overflow_the_cache_and_still_count(pipeline: Pipeline, state: SwitchState) -> None:
+    frames = [bytes(sc.checkmate_packet(job_id=100_000 + i, sequence=i)) for i in range(5000)]
+    outs = pipeline.process_batch(frames, sc.W0_PORT)
+    assert len(outs) == 5000 and all(p == sc.W1_PORT for p, _ in outs)
+    assert state.counter("rejected_replications").read(0)[0] == 5000
+
+
 # ---- properties ------------------------------------------------------------------------------------
 _BASES = [
     bytes(sc.checkmate_packet()),
@@ -310,22 +345,24 @@ def test_cached_and_interpreted_paths_agree(
     data = bytes(frame[:cut] if cut is not None else frame)
     states = []
     outputs = []
-    for cache in (True, False):
+    variants = [("python", True), ("python", False)] + [("native", True)] * native.available()
+    for datapath, cache in variants:
         s = build_state(load_p4info())
         sc.install(s)
-        p = Pipeline(s, cache=cache)
+        p = make(datapath, s, cache)
         outputs.append([[(q, bytes(f)) for q, f in p.process(data, port)] for _ in range(3)])
         states.append(({a: (c.packets[:], c.bytes[:]) for a, c in s.counters.items()}, p.drops.snapshot()))
-    assert outputs[0] == outputs[1]
-    assert states[0] == states[1]
+    assert all(o == outputs[0] for o in outputs)
+    assert all(st == states[0] for st in states)
 
 
+@pytest.mark.parametrize("datapath", DATAPATHS)
 @settings(max_examples=200, deadline=None)
-@given(st.binary(max_size=200))
-def test_garbage_never_raises_and_forwarding_goes_on(frame: bytes) -> None:
+@given(frame=st.binary(max_size=200))
+def test_garbage_never_raises_and_forwarding_goes_on(datapath: str, frame: bytes) -> None:
     s = build_state(load_p4info())
     sc.install(s)
-    p = Pipeline(s)
+    p = make(datapath, s)
     for out_port, out in p.process(frame, sc.W0_PORT):
         assert 0 <= out_port < 512 and len(out) == len(frame)
     pkt = sc.udp_packet()

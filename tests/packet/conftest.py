@@ -1,7 +1,8 @@
 """Fixtures of the packet-test suite: a switch in a network namespace, host ports, P4Runtime.
 
 ``switch`` (one per module and target) creates the namespaces and veth pairs of
-embedded_switch.testbed, starts the target — ``checkmate-switch`` always,
+embedded_switch.testbed, starts the target — ``checkmate-switch`` always, once per
+data path (``native`` when the extension is built, and ``python``, the reference),
 ``simple_switch_grpc`` when it and build/v1model/checkmate.json exist — on the
 switch ends, and opens raw sockets on the host ends. ``p4rt`` gives each test a
 fresh program state (the switch's multicast groups deleted, then the pipeline
@@ -24,13 +25,20 @@ from dataclasses import dataclass, field
 import pytest
 from scapy.packet import Packet
 
-from embedded_switch import testbed
+from embedded_switch import native, testbed
 from embedded_switch.testbed import REPO_ROOT, SwitchProcess, Testbed
 from tests import switch_cases as sc
 from tests.packet.p4rt import P4RuntimeTestClient, device_config_for
 
 BMV2_JSON = REPO_ROOT / "build" / "v1model" / "checkmate.json"
-TARGETS = ["embedded", pytest.param("bmv2", marks=pytest.mark.bmv2)]
+NATIVE = pytest.mark.skipif(not native.available(), reason=f"native path not built: {native.IMPORT_ERROR}")
+DATAPATHS = [pytest.param("native", marks=NATIVE), "python"]
+"""The embedded target's data paths (``checkmate-switch --datapath``)."""
+TARGETS = [
+    pytest.param(("embedded", "native"), marks=NATIVE, id="embedded-native"),
+    pytest.param(("embedded", "python"), id="embedded-python"),
+    pytest.param(("bmv2", ""), marks=pytest.mark.bmv2, id="bmv2"),
+]
 QUIET_S = 0.25
 """How long no further frame may arrive after the expected ones (nothing elsewhere)."""
 EXPECT_TIMEOUT_S = 3.0
@@ -61,6 +69,8 @@ class Rig:
     bed: Testbed
     switch: SwitchProcess
     sockets: dict[int, socket.socket] = field(default_factory=dict)
+    datapath: str = ""
+    """The embedded target's data path (``native`` or ``python``); empty for BMv2."""
 
     def send(self, port: int, *frames: bytes | Packet) -> None:
         for frame in frames:
@@ -120,8 +130,8 @@ class Rig:
         self.expect({}, timeout=wait)
 
 
-def open_rig(kind: str, bed: Testbed, switch: SwitchProcess) -> Rig:
-    rig = Rig(kind, bed, switch)
+def open_rig(kind: str, bed: Testbed, switch: SwitchProcess, datapath: str = "") -> Rig:
+    rig = Rig(kind, bed, switch, datapath=datapath)
     try:
         for port in bed.host_ifaces:
             rig.sockets[port] = testbed.host_socket(bed, port)
@@ -134,15 +144,15 @@ def open_rig(kind: str, bed: Testbed, switch: SwitchProcess) -> Rig:
 
 @pytest.fixture(scope="module", params=TARGETS)
 def switch(request: pytest.FixtureRequest) -> Iterator[Rig]:
-    """A running switch (module scope, per target) with ports 1-4 and CPU port 255."""
-    kind: str = request.param
+    """A running switch (module scope, per target and data path) with ports 1-4 and CPU port 255."""
+    kind, datapath = request.param
     reason = skip_reason(kind)
     if reason is not None:
         pytest.skip(reason)
     with testbed.testbed(sc.PORTS) as bed:
-        process = testbed.start_switch(kind, bed)
+        process = testbed.start_switch(kind, bed, ["--datapath", datapath] if datapath else [])
         try:
-            rig = open_rig(kind, bed, process)
+            rig = open_rig(kind, bed, process, datapath)
             try:
                 yield rig
             finally:

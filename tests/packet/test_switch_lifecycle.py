@@ -24,7 +24,7 @@ from controller.pipeline import PipelineConfig, push_pipeline
 from controller.switch_connection import SwitchConnection
 from embedded_switch import testbed
 from tests import switch_cases as sc
-from tests.packet.conftest import BMV2_JSON, REPO_ROOT, Rig, open_rig, skip_reason
+from tests.packet.conftest import BMV2_JSON, DATAPATHS, REPO_ROOT, Rig, open_rig, skip_reason
 from tests.packet.p4rt import P4RuntimeTestClient, device_config_for, entry_inserts, group_inserts
 
 pytestmark = pytest.mark.root
@@ -120,20 +120,24 @@ def test_repeated_pipeline_pushes_copy_a_frame_exactly_once(switch: Rig) -> None
 
 
 # ---- embedded-only options ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def faulty_switch() -> Iterator[Rig]:
-    """checkmate-switch with fault injection on port 2, pcap capture and a log file."""
+@pytest.fixture(scope="module", params=DATAPATHS)
+def faulty_switch(request: pytest.FixtureRequest) -> Iterator[Rig]:
+    """checkmate-switch with fault injection on port 2 and a log file, per data path; pcap
+    capture on the Python one (capture always runs the Python data path)."""
+    datapath: str = request.param
     reason = skip_reason("embedded")
     if reason is not None:
         pytest.skip(reason)
     with testbed.testbed(sc.PORTS) as bed:
         extra = [
             "--drop-egress", f"{DROP_PORT}:{DROP_FRACTION}", "--drop-seed", str(DROP_SEED),
-            "--pcap", str(bed.workdir / "pcap"), "--log-file", str(bed.workdir / "switch.log"),
+            "--log-file", str(bed.workdir / "switch.log"), "--datapath", datapath,
         ]  # fmt: skip
+        if datapath == "python":
+            extra += ["--pcap", str(bed.workdir / "pcap")]
         process = testbed.start_switch("embedded", bed, extra)
         try:
-            rig = open_rig("embedded", bed, process)
+            rig = open_rig("embedded", bed, process, datapath)
             try:
                 client = P4RuntimeTestClient(process.address)
                 try:
@@ -176,10 +180,12 @@ def test_sigterm_stops_cleanly_with_pcaps_and_log(faulty_switch: Rig) -> None:
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=10) == 0
     bed = faulty_switch.bed
-    pcap = bed.workdir / "pcap"
-    sent_in = [bytes(p) for p in rdpcap(str(pcap / f"{bed.switch_ifaces[sc.SH1_PORT]}_in.pcap"))]
-    sent_out = [bytes(p) for p in rdpcap(str(pcap / f"{bed.switch_ifaces[sc.W0_PORT]}_out.pcap"))]
-    assert sent_in == [bytes(p) for p in packets]
-    assert sent_out == [sc.routed(p, sc.W0_MAC) for p in packets]
     log = (bed.workdir / "switch.log").read_text()
     assert "shutting down" in log and "final counts" in log and f"FAULT_INJECTION@{DROP_PORT}=" in log
+    assert f"data path: {faulty_switch.datapath}" in log
+    if faulty_switch.datapath == "python":
+        pcap = bed.workdir / "pcap"
+        sent_in = [bytes(p) for p in rdpcap(str(pcap / f"{bed.switch_ifaces[sc.SH1_PORT]}_in.pcap"))]
+        sent_out = [bytes(p) for p in rdpcap(str(pcap / f"{bed.switch_ifaces[sc.W0_PORT]}_out.pcap"))]
+        assert sent_in == [bytes(p) for p in packets]
+        assert sent_out == [sc.routed(p, sc.W0_MAC) for p in packets]
