@@ -260,6 +260,13 @@ class RingAllReduce:
             on_failure=self._on_peer_failure,
             on_data_fields=self._on_fields,
         )
+        self._native = transport.native if config.host_replica is None else None
+        """The transport's compiled data path when this ring's datagrams run in it (not in
+        host-replication mode, which stays on the Python path); None: :meth:`_on_fields` does."""
+        if self._native is not None:
+            self._native.add_ring(
+                config.job_id, self.world, config.future_iterations, config.max_stash_bytes, self._native_done
+            )
         self._watchdog = threading.Thread(target=self._watch, name=f"cm-ring-{self.rank}", daemon=True)
         self._watchdog.start()
 
@@ -314,21 +321,34 @@ class RingAllReduce:
         )
         completed: list[_Op] = []
         key = (iteration, bucket_id)
+        with self._lock:
+            if self._failed is not None:
+                record.future.set_exception(self._failed)  # type: ignore[arg-type]
+                return record.future
+            if key in self._ops:
+                raise ValueError(f"bucket {bucket_id} of iteration {iteration} was already started")
+            self._ops[key] = record
+            if record.deadline < self._watch_deadline:
+                self._watch_deadline = record.deadline
+                self._watch_event.set()
+            if iteration > self._latest_iteration:
+                self._latest_iteration = iteration
+                self._release_locked(iteration - self.config.keep_iterations)
+            self._count("ops_started")
+        if self._native is not None:
+            # the engine sends this rank's chunk, applies what arrived early, and from then on
+            # reduces and forwards every datagram itself; _native_done completes the future
+            self._native.engine.op_start(
+                self.config.job_id,
+                iteration,
+                bucket_id,
+                view,
+                record.source_view if source is not None else None,
+                record.dtype_value,
+                record.shard_key,
+            )
+            return record.future
         with self.transport.batch():  # the first sends leave in GSO runs at the end
-            with self._lock:
-                if self._failed is not None:
-                    record.future.set_exception(self._failed)  # type: ignore[arg-type]
-                    return record.future
-                if key in self._ops:
-                    raise ValueError(f"bucket {bucket_id} of iteration {iteration} was already started")
-                self._ops[key] = record
-                if record.deadline < self._watch_deadline:
-                    self._watch_deadline = record.deadline
-                    self._watch_event.set()
-                if iteration > self._latest_iteration:
-                    self._latest_iteration = iteration
-                    self._release_locked(iteration - self.config.keep_iterations)
-                self._count("ops_started")
             # This rank's own chunk goes out without the lock, so the receive thread keeps
             # reducing and forwarding meanwhile: its slots change state only when their
             # all-gather comes back round the ring, which needs these sends first.
@@ -378,7 +398,10 @@ class RingAllReduce:
             out = dict(self._counters)
             out["ops_kept"] = len(self._ops)
             out["stash_bytes"] = self._stash_bytes
-            return out
+        if self._native is not None:
+            for name, value in self._native.engine.ring_stats(self.config.job_id).items():
+                out[name] = value if name == "stash_bytes" else out.get(name, 0) + value
+        return out
 
     def close(self) -> None:
         self._stop.set()
@@ -400,6 +423,8 @@ class RingAllReduce:
         if through <= self._released_through:
             return
         self._released_through = through
+        if self._native is not None:
+            self._native.engine.release_through(self.config.job_id, through)
         for key in [k for k, v in self._ops.items() if k[0] <= through and (v.done or v.failed)]:
             del self._ops[key]
         for key in [k for k in self._stash if k[0] <= through]:
@@ -517,6 +542,34 @@ class RingAllReduce:
         else:
             self._drop("unexpected_slot")
 
+    def _native_done(self, iteration: int, bucket_id: int) -> None:
+        """The engine completed an op (its thread, or the one that started the op)."""
+        with self._lock:
+            record = self._ops.get((iteration, bucket_id))
+            if record is None or record.done or record.failed:
+                return
+            record.done = True
+            record.state[:] = bytes([_FINAL]) * len(record.state)
+            tags = []
+            grid = record.grid
+            for slot in grid.chunk_slots[(self.rank + 1) % self.world]:  # the slots this rank owns
+                tag = TagRecord(iteration, bucket_id, grid.offsets[slot], grid.counts[slot], record.shard_key)
+                self.tag_log.append(tag)
+                tags.append(tag)
+            self._count("tagged_datagrams", len(tags))
+        if self.on_tag is not None:
+            for tag in tags:
+                self.on_tag(tag)
+        self._complete([record])
+
+    def _slot_states(self, record: _Op) -> bytes | bytearray:
+        """Per-slot progress (0, _RS_DONE, _FINAL): the engine's for a native op."""
+        if self._native is not None and not record.done:
+            state = self._native.engine.op_state(self.config.job_id, record.iteration, record.bucket_id)
+            if state is not None:
+                return bytes(state)
+        return record.state
+
     def _finalize(self, record: _Op, slot: int, completed: list[_Op]) -> None:
         record.state[slot] = _FINAL
         record.remaining -= 1
@@ -546,6 +599,8 @@ class RingAllReduce:
     def _fail_all_locked(self, error: CollectiveError | PeerTimeoutError) -> None:
         if self._failed is None:
             self._failed = error
+        if self._native is not None:
+            self._native.engine.fail_ops(self.config.job_id)
         for record in self._ops.values():
             if not record.done and not record.failed:
                 record.failed = True
@@ -564,7 +619,8 @@ class RingAllReduce:
                 late = [v for v in running if now > v.deadline]
                 if late:
                     record = late[0]
-                    missing = record.state.count(0) + record.state.count(_RS_DONE)
+                    states = self._slot_states(record)
+                    missing = states.count(0) + states.count(_RS_DONE)
                     self._fail_all_locked(
                         CollectiveTimeoutError(
                             f"job {self.config.job_id} rank {self.rank}: all-reduce of bucket "
@@ -572,7 +628,7 @@ class RingAllReduce:
                             f"{self.config.timeout:.1f}s; {missing} of {len(record.state)} datagrams "
                             f"still expected from rank {self.prev_rank} at "
                             f"{self.prev_addr[0]}:{self.prev_addr[1]} (ring predecessor); "
-                            f"slots missing: {self._missing_slots(record)}; "
+                            f"slots missing: {[i for i, v in enumerate(states) if v != _FINAL][:8]}; "
                             f"transport: {self.transport.stats()}"
                         )
                     )
@@ -584,10 +640,6 @@ class RingAllReduce:
                 self._watch_event.wait()
             else:
                 self._watch_event.wait(max(deadline - time.monotonic(), 0.0) + 0.001)
-
-    @staticmethod
-    def _missing_slots(record: _Op) -> list[int]:
-        return [i for i, v in enumerate(record.state) if v != _FINAL][:8]
 
     # ---- repair service -------------------------------------------------------------
     def _on_repair_request(self, header: CheckmateHeader, payload: memoryview, addr: Addr) -> None:

@@ -78,13 +78,14 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from checkmate.auth import DatagramAuth, secret_from_env
+from checkmate.auth import DatagramAuth, datagram_job, derive_key, secret_from_env
 from checkmate.network import Addr
 from checkmate.sockets import grow_buffer
-from checkmate.wire import CHECKMATE_UDP_PORT, CheckmateHeader
+from checkmate.wire import CHECKMATE_UDP_PORT, MAX_PAYLOAD_BYTES, CheckmateHeader, WireFormatError
+from hosts import native
 from hosts.faults import FaultConfig, FaultInjector
 from hosts.transport_flow import (
     DataFieldsHandler,
@@ -96,7 +97,8 @@ from hosts.transport_flow import (
     pack_ranges,
     unpack_ranges,
 )
-from hosts.transport_io import SOL_UDP, UDP_GRO, Buffer
+from hosts.transport_io import DATA_TYPE, SOL_UDP, UDP_GRO, Buffer
+from hosts.transport_native import NativeDatapath
 from hosts.transport_receive import Receiver
 
 __all__ = [
@@ -105,6 +107,7 @@ __all__ = [
     "Transport",
     "TransportClosedError",
     "TransportConfig",
+    "datapath_from_env",
     "pack_ranges",
     "resolve",
     "unpack_ranges",
@@ -152,6 +155,27 @@ class TransportConfig:
     gso: bool = True
     """Send batched runs of equal-sized DATA datagrams as one UDP GSO write where the route allows it."""
     faults: FaultConfig = field(default_factory=FaultConfig)
+    datapath: str = "native"
+    """``"native"``: the compiled data path (:mod:`hosts.transport_native`) where it built, else the
+    Python one with a warning; ``"python"``: the Python data path, the reference implementation.
+    Entry points map ``CHECKMATE_TRANSPORT=python|native`` to it (:func:`datapath_from_env`)."""
+
+    def __post_init__(self) -> None:
+        if self.datapath not in DATAPATHS:
+            raise ValueError(f"datapath={self.datapath!r} is not one of {DATAPATHS}")
+
+
+DATAPATHS = ("native", "python")
+TRANSPORT_ENV = "CHECKMATE_TRANSPORT"
+
+
+def datapath_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """``CHECKMATE_TRANSPORT`` (``native`` or ``python``; unset: ``native``) for entry points."""
+    env = os.environ if environ is None else environ
+    value = env.get(TRANSPORT_ENV, "").strip().lower() or "native"
+    if value not in DATAPATHS:
+        raise ValueError(f"{TRANSPORT_ENV}={value!r}: expected one of {DATAPATHS}")
+    return value
 
 
 def resolve(addr: tuple[str, int] | str, default_port: int = CHECKMATE_UDP_PORT) -> Addr:
@@ -194,7 +218,13 @@ class Transport(Receiver):
                 rcvbuf,
                 self.advertised_window,
             )
-        self._faults = FaultInjector(config.faults) if config.faults.active else None
+        self._native: NativeDatapath | None = None
+        if config.datapath == "native":
+            module = native.load()
+            if module is not None:
+                self._native = NativeDatapath(module, self)
+        # the native engine injects its own faults (same probabilities, its own generator)
+        self._faults = FaultInjector(config.faults) if config.faults.active and self._native is None else None
         self._held = None
         self._lock = threading.RLock()
         self._jobs = {}
@@ -207,14 +237,37 @@ class Transport(Receiver):
         self._timer_deadline = 0.0
         self._timer_count = 0
         self._rx_wake = os.pipe()
-        self.tap = None
-        """Called with (header, destination, is_retransmission) for every reliable transmission."""
+        self._tap: Callable[[CheckmateHeader, Addr, bool], None] | None = None
         self._rx = threading.Thread(target=self._receive_loop, name=f"cm-rx-{self.address[0]}", daemon=True)
         self._timer = threading.Thread(
             target=self._timer_loop, name=f"cm-timer-{self.address[0]}", daemon=True
         )
-        self._rx.start()
-        self._timer.start()
+        if self._native is not None:
+            self._native.start()  # its one thread reads, acknowledges, forwards and keeps the timers
+        else:
+            self._rx.start()
+            self._timer.start()
+
+    @property
+    def native(self) -> NativeDatapath | None:
+        """The compiled data path serving this socket, or None on the Python path."""
+        return self._native
+
+    @property
+    def datapath(self) -> str:
+        """``"native"`` or ``"python"``: the data path this transport actually runs."""
+        return "native" if self._native is not None else "python"
+
+    @property
+    def tap(self) -> Callable[[CheckmateHeader, Addr, bool], None] | None:
+        """Called with (header, destination, is_retransmission) for every reliable transmission."""
+        return self._tap
+
+    @tap.setter
+    def tap(self, value: Callable[[CheckmateHeader, Addr, bool], None] | None) -> None:
+        self._tap = value
+        if self._native is not None:
+            self._native.engine.set_tap(value is not None)
 
     # ---- set-up ---------------------------------------------------------------------
     def add_job(
@@ -236,8 +289,11 @@ class Transport(Receiver):
         ``secret``: the job's (None: this process's, :func:`checkmate.auth.secret_from_env`,
         which raises AuthConfigError when there is none).
         """
-        auth = DatagramAuth(secret if secret is not None else secret_from_env(), job_id)
+        secret_bytes = secret if secret is not None else secret_from_env()
+        auth = DatagramAuth(secret_bytes, job_id)
         resolved = {int(r): resolve(a) for r, a in peers.items()}
+        if self._native is not None:
+            self._native.add_job(job_id, rank, resolved, derive_key(secret_bytes, "transport", job_id))
         with self._lock:
             self._jobs[job_id] = Job(
                 job_id=job_id,
@@ -252,6 +308,8 @@ class Transport(Receiver):
             )
 
     def remove_job(self, job_id: int) -> None:
+        if self._native is not None:
+            self._native.remove_job(job_id)
         with self._lock:
             self._jobs.pop(job_id, None)
             for key in [k for k in self._send_flows if k[1] == job_id]:
@@ -268,8 +326,11 @@ class Transport(Receiver):
         self._stop.set()
         self._timer_event.set()
         os.write(self._rx_wake[1], b"x")
-        self._rx.join(timeout=2.0)
-        self._timer.join(timeout=2.0)
+        if self._native is not None:
+            self._native.stop()
+        else:
+            self._rx.join(timeout=2.0)
+            self._timer.join(timeout=2.0)
         self._sock.close()
         for fd in self._rx_wake:
             os.close(fd)
@@ -289,6 +350,11 @@ class Transport(Receiver):
             out["timer_wakeups"] = self._timer_count
         if self._faults is not None:
             out.update({f"fault.{k}": v for k, v in self._faults.counts.items()})
+        if self._native is not None:
+            gauges = ("flows.send", "flows.recv", "unacked")
+            for name, value in self._native.engine.stats().items():
+                out[name] = value if name in gauges else out.get(name, 0) + value
+            out["timer_wakeups"] = out.get("native.wakeups", 0)
         return out
 
     def drops(self) -> dict[str, int]:
@@ -299,8 +365,12 @@ class Transport(Receiver):
         """Wait until every sent datagram is acknowledged; False if ``timeout`` passed first."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            with self._lock:
-                busy = any((f.unacked or f.pending) and f.failed is None for f in self._send_flows.values())
+            if self._native is not None:
+                busy = bool(self._native.engine.busy())
+            else:
+                with self._lock:
+                    flows = self._send_flows.values()
+                    busy = any((f.unacked or f.pending) and f.failed is None for f in flows)
             if not busy:
                 return True
             time.sleep(0.001)
@@ -315,6 +385,31 @@ class Transport(Receiver):
         Raises :class:`PeerTimeoutError` if the flow to ``peer`` has failed.
         """
         self.send_packed(peer, header.job_id, bytearray(header.pack()), payload)
+
+    def send_packed(self, peer: Addr, job_id: int, header_bytes: bytearray, payload: Buffer = b"") -> None:
+        """:meth:`send` with the header packed (:func:`checkmate.wire.pack_data_header`); see
+        :meth:`hosts.transport_flow.FlowControl.send_packed`. The native path copies ``payload``."""
+        if self._native is None:
+            super().send_packed(peer, job_id, header_bytes, payload)
+            return
+        if self._stop.is_set():
+            raise TransportClosedError(f"transport {self.address} is closed")
+        view = memoryview(payload).cast("B") if not isinstance(payload, memoryview) else payload
+        if len(view) > MAX_PAYLOAD_BYTES:
+            raise WireFormatError(f"payload of {len(view)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+        self._native.send(peer, job_id, header_bytes, view)
+
+    def _emit(self, parts: Sequence[Buffer], addr: Addr) -> None:
+        if self._native is None:
+            super()._emit(parts, addr)
+            return
+        if parts[0][1] != DATA_TYPE:  # every type but DATA carries the job's MAC
+            job = self._jobs.get(datagram_job(parts[0]))
+            if job is None or job.auth is None:
+                self.count("send_no_key")
+                return
+            parts = job.auth.seal(parts)
+        self._native.emit(b"".join(parts), addr)
 
     def send_unreliable(self, addr: Addr, header: CheckmateHeader | bytes, payload: Buffer = b"") -> None:
         """Send one datagram once, outside any flow (repair answers, NACKs of repair requests).

@@ -165,6 +165,8 @@ def _to_ranges(seqs: Sequence[int], limit: int = MAX_RANGES) -> list[tuple[int, 
 class FlowControl(TransportIO):
     """Both directions of every flow, and the timer thread (all under ``_lock``)."""
 
+    tap: Callable[[CheckmateHeader, Addr, bool], None] | None
+
     # ---- sending --------------------------------------------------------------------
     def send_packed(self, peer: Addr, job_id: int, header_bytes: bytearray, payload: Buffer = b"") -> None:
         """:meth:`send` with the header already packed (:func:`checkmate.wire.pack_data_header`).

@@ -25,12 +25,12 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from checkmate.auth import datagram_job
 from checkmate.network import Addr
-from checkmate.wire import CheckmateHeader, MessageType
+from checkmate.wire import MessageType
 from hosts.faults import FaultInjector, SendAction
 
 if TYPE_CHECKING:
@@ -59,7 +59,6 @@ class TransportIO:
     config: TransportConfig
     address: Addr
     advertised_window: int
-    tap: Callable[[CheckmateHeader, Addr, bool], None] | None
     _sock: socket.socket
     _gro: bool
     _gso: bool

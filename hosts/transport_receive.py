@@ -88,6 +88,11 @@ class Receiver(FlowControl):
     def _handle(self, data: memoryview, addr: Addr) -> None:
         if self._faults is not None and self._faults.drop_received():
             return
+        self._handle_datagram(data, addr)
+
+    def _handle_datagram(self, data: memoryview, addr: Addr) -> None:
+        """Check and dispatch one datagram (after the injected receive loss; the native data path
+        hands up the datagrams it leaves to these checks)."""
         if needs_tag(data):
             job = self._jobs.get(datagram_job(data))
             if job is None or job.auth is None:
