@@ -77,14 +77,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     reader = _reader(args)
     reader.verify_files()
+    reader.check_optimizer_states()
     count = 0
     for name in reader.parameters:
         for state in reader.states_of(name):
-            reader.read(name, state, verify=True)
+            reader.read(name, state)
             count += 1
     print(
         f"ok: step {reader.step}, {len(reader.parameters)} parameters, {count} tensors, "
-        f"{len(reader.manifests)} shards, all checksums match"
+        f"{len(reader.manifests)} shards, all checksums match, optimizer state complete"
     )
     return 0
 
@@ -197,7 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
     imported.add_argument("--output", "-o", required=True, help="new universal checkpoint root")
     imported.add_argument("--shards", type=int, default=1)
     imported.add_argument("--spec", default=None, help="dcp: reshape spec JSON of the model")
-    imported.add_argument("--tp", type=int, default=1, help="dcp: TP degree of the job that saved it")
+    imported.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="dcp: TP degree of the job that saved it (unless the DCP records it)",
+    )
     imported.add_argument("--vocab", type=int, default=None, help="dcp: real vocabulary size (trims padding)")
     imported.add_argument("--step", type=int, default=None, help="dcp: step to record (default: Adam's step)")
     return parser

@@ -56,6 +56,10 @@ def export_dcp(reader: CheckpointReader, output: Path) -> Path:
     optim = {"state": _optimizer_states(reader), "param_groups": _param_groups(reader)}
     output.mkdir(parents=True, exist_ok=True)
     dcp.save({"model": model, "optim": optim}, checkpoint_id=str(output), no_dist=True)
+    from checkmate.universal.interop import record_dcp_layout
+    from checkmate.universal.spec import spec_of_checkpoint
+
+    record_dcp_layout(output, None, spec_of_checkpoint(reader.global_state))  # whole tensors: tp=1
     return output
 
 

@@ -45,6 +45,10 @@ KEY_SEPARATOR = "::"
 PARAM_STATE = "param"
 GLOBAL_FILE = "global.json"
 LATEST_FILE = "latest"
+CHUNK_BYTES = 1 << 20
+"""A stored tensor larger than this gets one SHA-256 per chunk of rows (``chunk_rows``,
+``chunk_sha256`` in its manifest entry), so a partial read verifies what it reads
+without reading the rest; a smaller tensor is one chunk, its ``sha256``."""
 
 
 class CheckpointError(ValueError):
@@ -64,6 +68,27 @@ class TensorSlice:
     sha256: str
     scalar: bool = False
     """A 0-d state (such as Adam's ``step``): one whole record, range [0, 1)."""
+    shape: tuple[int, ...] = ()
+    """The stored tensor's shape (the parameter's, or 1-D for a flat slice)."""
+    chunk_rows: int = 0
+    """Rows (of dim 0) per checksummed chunk; 0: the tensor is one chunk, checked by ``sha256``."""
+    chunk_sha256: tuple[str, ...] = ()
+
+
+def chunk_rows(shape: tuple[int, ...] | list[int], itemsize: int, chunk_bytes: int | None = None) -> int:
+    """Rows of dim 0 per checksummed chunk of a stored tensor; 0 when it is one chunk (or 0-d)."""
+    if not shape:
+        return 0
+    row = itemsize
+    for dim in shape[1:]:
+        row *= dim
+    rows = max(1, (chunk_bytes if chunk_bytes is not None else CHUNK_BYTES) // max(row, 1))
+    return rows if shape[0] > rows else 0
+
+
+def chunk_sha256s(tensor: torch.Tensor, rows: int) -> list[str]:
+    """SHA-256 of each ``rows``-row chunk of ``tensor`` along dim 0 (the last one may be short)."""
+    return [tensor_sha256(tensor[i : i + rows]) for i in range(0, tensor.shape[0], rows)]
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -174,4 +199,12 @@ def checked_manifest(manifest: dict[str, Any], path: Path) -> dict[str, Any]:
                 raise CheckpointError(f"{path}: entry {i} field {key!r} is missing or not a {kind.__name__}")
         if not 0 <= entry["start"] <= entry["end"]:
             raise CheckpointError(f"{path}: entry {i} has the range [{entry['start']}, {entry['end']})")
+        rows, hashes = entry.get("chunk_rows", 0), entry.get("chunk_sha256", [])
+        if not _is_int(rows) or rows < 0 or not isinstance(hashes, list):
+            raise CheckpointError(f"{path}: entry {i} has malformed 'chunk_rows' / 'chunk_sha256'")
+        if rows and (not entry["shape"] or len(hashes) != -(-entry["shape"][0] // rows)):
+            raise CheckpointError(
+                f"{path}: entry {i} ({entry['key']}) lists {len(hashes)} chunk checksums for "
+                f"{entry['shape'][:1]} rows in chunks of {rows}"
+            )
     return manifest

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from checkmate.checkpoint.format import CheckpointError
+from checkmate.checkpoint.optim_states import missing_optimizer_states
 from checkmate.checkpoint.reader import CheckpointReader
 from checkmate.checkpoint.source import RestoredState, state_of_reader
 from checkmate.job_state import JobState, JobStateError, load_stateful, persistent_buffers
@@ -84,6 +85,12 @@ def load_state(
     if optimizer is not None:
         name_of = {id(p): n for n, p in named.items()}
         groups = optimizer_groups(state.optimizer or {}, state.optimizer_kind, optimizer, name_of)
+        problems = missing_optimizer_states(
+            {"kind": state.optimizer_kind, **(state.optimizer or {})},
+            {n: list(state.optimizer_state.get(n) or {}) for n in named},
+        )
+        if problems:
+            raise CheckpointError(f"{what}: incomplete optimizer state: " + "; ".join(problems[:3]))
     with torch.no_grad():
         for name, parameter in named.items():
             parameter.copy_(state.parameters[name].to(parameter.dtype))

@@ -34,6 +34,7 @@ from checkmate.checkpoint.format import (
     step_dir,
     tensor_sha256,
 )
+from checkmate.checkpoint.optim_states import missing_optimizer_states
 from checkmate.checkpoint.storage import complete_steps
 from checkmate.job_state import JobState, JobStateError
 
@@ -61,6 +62,8 @@ class CheckpointReader:
             self.global_state.get("parameters"), self.directory / GLOBAL_FILE
         )
         self.slices: dict[tuple[str, str], list[TensorSlice]] = {}
+        self.elements_fetched = 0
+        """Elements read from disk, checksummed chunks included (``read`` returns fewer)."""
         self.manifests = self._load_manifests()
         self._validate_coverage()
 
@@ -93,6 +96,9 @@ class CheckpointReader:
                     entry["key"],
                     entry["sha256"],
                     scalar=entry["shape"] == [],
+                    shape=tuple(entry["shape"]),
+                    chunk_rows=entry.get("chunk_rows", 0),
+                    chunk_sha256=tuple(entry.get("chunk_sha256", [])),
                 )
                 if item.name not in self.parameters:
                     raise CheckpointError(
@@ -145,17 +151,31 @@ class CheckpointReader:
         """The step's job state (buffers, stateful objects, param groups); None in a version-1 step."""
         return read_job_state(self.directory, self.global_state)
 
+    def check_optimizer_states(self) -> None:
+        """Every stepped parameter holds every state its optimizer needs (:mod:`.optim_states`)."""
+        optimizer = self.global_state.get("optimizer")
+        problems = missing_optimizer_states(
+            optimizer if isinstance(optimizer, dict) else {},
+            {name: self.states_of(name) for name in self.parameters},
+        )
+        if problems:
+            raise CheckpointError(
+                f"{self.directory}: incomplete optimizer state: "
+                + "; ".join(problems[:3])
+                + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+            )
+
     def states_of(self, name: str) -> list[str]:
         return sorted(state for (n, state) in self.slices if n == name)
 
     def read(
-        self, name: str, state: str = PARAM_STATE, start: int = 0, end: int | None = None, verify: bool = True
+        self, name: str, state: str = PARAM_STATE, start: int = 0, end: int | None = None
     ) -> torch.Tensor:
         """Elements [start, end) of ``name``'s ``state``, flattened (0-d states as they are).
 
-        Only the bytes of the range are read. A tensor read whole is checked
-        against its SHA-256; a partial read cannot be (``verify_files`` checks
-        every byte of a step).
+        Every byte returned is checked: a tensor read whole against its SHA-256, a
+        range through the checksummed chunks of rows that hold it (only those are
+        read). A mismatch raises CheckpointError naming the file and the tensor.
         """
         pieces = self.slices.get((name, state))
         if pieces is None:
@@ -163,10 +183,8 @@ class CheckpointReader:
         if pieces[0].scalar:
             with self._open(pieces[0].file) as handle:
                 tensor = handle.get_tensor(pieces[0].key)
-            if verify and tensor_sha256(tensor) != pieces[0].sha256:
-                raise CheckpointError(
-                    f"{self.directory / pieces[0].file}: {pieces[0].key} fails its checksum"
-                )
+            self._check(pieces[0], tensor, pieces[0].sha256, "")
+            self.elements_fetched += 1
             return tensor
         stop = end if end is not None else max(p.end for p in pieces)
         out = []
@@ -175,31 +193,50 @@ class CheckpointReader:
             if lo >= hi:
                 continue
             with self._open(piece.file) as handle:
-                if lo == piece.start and hi == piece.end:
-                    part = handle.get_tensor(piece.key).reshape(-1)
-                    if verify and tensor_sha256(part) != piece.sha256:
-                        raise CheckpointError(
-                            f"{self.directory / piece.file}: {piece.key} fails its checksum"
-                        )
-                else:
-                    part = self._read_range(handle, piece, lo - piece.start, hi - piece.start)
-            out.append(part)
+                out.append(self._read_range(handle, piece, lo - piece.start, hi - piece.start))
         if not out:
             return torch.empty(0)
         return torch.cat(out) if len(out) != 1 else out[0]
 
-    @staticmethod
-    def _read_range(handle: Any, piece: TensorSlice, lo: int, hi: int) -> torch.Tensor:
-        """Flat elements [lo, hi) of a stored tensor, reading whole rows of its first dimension only."""
+    def _check(self, piece: TensorSlice, tensor: torch.Tensor, expected: str, what: str) -> None:
+        if tensor_sha256(tensor) != expected:
+            raise CheckpointError(
+                f"{self.directory / piece.file}: {piece.key}{what} fails its checksum (corrupted file)"
+            )
+
+    def read_rows(self, handle: Any, piece: TensorSlice, first: int, last: int) -> torch.Tensor:
+        """Rows [first, last) of dim 0 of ``piece``'s stored tensor (of an open file), checksum-verified.
+
+        Reads the checksummed chunks that hold the rows (or the whole tensor when
+        it is one chunk) and checks each before anything is returned.
+        """
         view = handle.get_slice(piece.key)
-        shape = view.get_shape()
-        if len(shape) <= 1:
-            return view[lo:hi].reshape(-1)
+        shape = tuple(view.get_shape())
+        if shape != piece.shape:
+            raise CheckpointError(
+                f"{self.directory / piece.file}: {piece.key} has shape {shape}, manifest {piece.shape}"
+            )
+        rows = piece.chunk_rows
+        if not rows:
+            tensor = handle.get_tensor(piece.key)
+            self._check(piece, tensor, piece.sha256, "")
+            self.elements_fetched += tensor.numel()
+            return tensor[first:last]
+        lo, hi = (first // rows) * rows, min(-(-last // rows) * rows, shape[0])
+        block = view[lo:hi]
+        for chunk in range(lo // rows, -(-hi // rows)):
+            a, b = chunk * rows - lo, min((chunk + 1) * rows, shape[0]) - lo
+            self._check(piece, block[a:b], piece.chunk_sha256[chunk], f" (rows {a + lo}..{b + lo})")
+        self.elements_fetched += block.numel()
+        return block[first - lo : last - lo]
+
+    def _read_range(self, handle: Any, piece: TensorSlice, lo: int, hi: int) -> torch.Tensor:
+        """Flat elements [lo, hi) of a stored tensor: the verified rows of dim 0 that hold them."""
         row = 1
-        for dim in shape[1:]:
+        for dim in piece.shape[1:]:
             row *= dim
         first, last = lo // row, (hi + row - 1) // row
-        rows = view[first:last].reshape(-1)
+        rows = self.read_rows(handle, piece, first, last).reshape(-1)
         return rows[lo - first * row : hi - first * row]
 
     def parameter(self, name: str, state: str = PARAM_STATE) -> torch.Tensor:

@@ -37,6 +37,8 @@ from checkmate.checkpoint.format import (
     SHARD_MANIFEST,
     STEP_DIR,
     CheckpointError,
+    chunk_rows,
+    chunk_sha256s,
     sha256_file,
     shard_stem,
     step_dir,
@@ -148,18 +150,20 @@ def write_shard(
             if end - start != value.numel():
                 raise CheckpointError(f"{key}: range [{start}, {end}) but the tensor has {value.numel()}")
             tensors[key] = value
-            entries.append(
-                {
-                    "name": name,
-                    "state": state,
-                    "start": start,
-                    "end": end,
-                    "key": key,
-                    "shape": list(value.shape),
-                    "dtype": str(value.dtype),
-                    "sha256": tensor_sha256(value),
-                }
-            )
+            entry: dict[str, Any] = {
+                "name": name,
+                "state": state,
+                "start": start,
+                "end": end,
+                "key": key,
+                "shape": list(value.shape),
+                "dtype": str(value.dtype),
+                "sha256": tensor_sha256(value),
+            }
+            rows = chunk_rows(tuple(value.shape), value.element_size())
+            if rows:  # a partial read checks the chunks it reads (format.CHUNK_BYTES)
+                entry.update(chunk_rows=rows, chunk_sha256=chunk_sha256s(value, rows))
+            entries.append(entry)
     data_path = directory / f"{stem}.safetensors"
     tmp = data_path.with_name(f".{data_path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     save_file(tensors, str(tmp), metadata={"format_version": str(FORMAT_VERSION), "step": str(step)})

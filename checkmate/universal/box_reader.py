@@ -1,10 +1,14 @@
 """Reading one box of a parameter from a universal checkpoint, and only its bytes.
 
 A stored tensor kept in the parameter's shape (a writer that owns whole
-parameters) is sliced n-dimensionally through safetensors, which copies only
-the box's bytes; a stored flat slice (a ZeRO-style writer) is read as the
-contiguous runs of the box that fall in it. ``elements_read`` counts what
-was fetched, so tests can check a rank read no more than its share.
+parameters) is read as the rows of dim 0 the box spans, through the
+checksummed chunks that hold them (:meth:`CheckpointReader.read_rows`), and cut
+to the box in memory; a stored flat slice (a ZeRO-style writer) as the span of
+the box's contiguous runs that fall in it. Every element returned has been
+checked against its chunk's SHA-256 before it is returned. ``elements_read``
+counts the elements returned (a rank's share, which tests check);
+``reader.elements_fetched`` what was read from disk to verify them (whole
+chunks: for a box cut along dim 1 that is every row it spans).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from checkmate.checkpoint import CheckpointError, CheckpointReader
-from checkmate.universal.geometry import Box, extents, flat_range_boxes, numel, slices, whole
+from checkmate.universal.geometry import Box, extents, numel, slices, whole
 
 logger = logging.getLogger(__name__)
 
@@ -88,13 +92,12 @@ class BoxReader:
         for n in shape:
             total *= n
         for piece in pieces:
-            if piece.start == 0 and piece.end == total:
-                # one stored tensor holds the whole parameter: one n-d slice, only the box's bytes
+            if piece.start == 0 and piece.end == total and piece.shape == shape:
+                # one stored tensor holds the whole parameter: the box's rows, verified, then its columns
                 with reader._open(piece.file) as handle:
-                    view = handle.get_slice(piece.key)
-                    if tuple(view.get_shape()) == shape:
-                        self.elements_read += numel(box)
-                        return view[slices(box)].reshape(extents(box))
+                    rows = reader.read_rows(handle, piece, box[0][0], box[0][1])
+                self.elements_read += numel(box)
+                return rows[(slice(None), *slices(box[1:]))].reshape(extents(box))
         parts: list[tuple[int, torch.Tensor]] = []
         runs = box_runs(shape, box)
         offsets = []
@@ -102,7 +105,7 @@ class BoxReader:
         for run_start, run_stop, _ in runs:
             offsets.append(cursor)
             cursor += run_stop - run_start
-        for piece in pieces:  # each stored slice opened once, its runs read as flat ranges
+        for piece in pieces:  # each stored slice opened once, the span of its runs read verified
             hits = [
                 (at + max(a, piece.start) - a, max(a, piece.start), min(b, piece.end))
                 for at, (a, b, _) in zip(offsets, runs, strict=True)
@@ -110,22 +113,16 @@ class BoxReader:
             ]
             if not hits:
                 continue
+            if len(piece.shape) != 1:
+                raise CheckpointError(
+                    f"{reader.directory / piece.file}: {piece.key} holds a slice in shape {piece.shape}"
+                )
+            first, last = hits[0][1] - piece.start, hits[-1][2] - piece.start
             with reader._open(piece.file) as handle:
-                view = handle.get_slice(piece.key)
-                stored = tuple(view.get_shape())
-                for at, lo, hi in hits:
-                    if stored == shape and piece.start == 0:
-                        part = torch.cat(
-                            [view[slices(sub)].reshape(-1) for _, sub in flat_range_boxes(shape, lo, hi)]
-                        )
-                    elif len(stored) == 1:
-                        part = view[lo - piece.start : hi - piece.start].reshape(-1)
-                    else:
-                        raise CheckpointError(
-                            f"{reader.directory / piece.file}: {piece.key} holds a slice in shape {stored}"
-                        )
-                    parts.append((at, part))
-                    self.elements_read += hi - lo
+                span = reader.read_rows(handle, piece, first, last)
+            for at, lo, hi in hits:
+                parts.append((at, span[lo - piece.start - first : hi - piece.start - first]))
+                self.elements_read += hi - lo
         if sum(p.numel() for _, p in parts) != cursor:
             raise CheckpointError(f"{name}::{state}: box {box} is not fully covered by the checkpoint")
         out = torch.empty(cursor, dtype=parts[0][1].dtype)

@@ -19,6 +19,7 @@ checkpoint runs.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import tempfile
@@ -27,14 +28,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from checkmate import checkpoint as fmt
 from checkmate.checkpoint import PARAM_STATE, CheckpointError
 from checkmate.universal.convert import staged_output
 from checkmate.universal.extract import AtomMerger, records_of_tensor
-from checkmate.universal.layout import LocalTensor, storage_pieces
-from checkmate.universal.save import assign_owners
-from checkmate.universal.spec import LayoutError, ReshapeRule, ReshapeSpec
+from checkmate.universal.layout import Layout, LocalTensor, storage_pieces
+from checkmate.universal.live import describe_module
+from checkmate.universal.save import assign_owners, provenance
+from checkmate.universal.spec import LayoutError, ReshapeRule, ReshapeSpec, check_fused
 
 logger = logging.getLogger(__name__)
 
@@ -148,11 +152,69 @@ def _deepspeed_optimizer(zero: Path, names: list[str]) -> tuple[int, list[dict[s
     return step, groups
 
 
+DCP_RECORD = "checkmate-layout.json"
+"""How a DCP checkpoint was made (TP degree, mesh, spec and its hash, real vocabulary), beside its files."""
+
+
+def record_dcp_layout(
+    folder: Path,
+    module: nn.Module | None = None,
+    spec: ReshapeSpec | None = None,
+    layout: Layout | None = None,
+    vocab: int | None = None,
+) -> Path | None:
+    """Write :data:`DCP_RECORD` into a DCP folder after ``dcp.save`` (every rank calls; rank 0 writes).
+
+    The layout comes from the live ``module`` (:func:`~checkmate.universal.live.describe_module`);
+    ``layout`` alone (no module) for a checkpoint of whole tensors; ``vocab`` is
+    the real vocabulary size when it is padded.
+    """
+    spec = spec or ReshapeSpec()
+    if module is not None:
+        live = describe_module(module, layout)
+        layout, mesh = live.layout, live.mesh
+    else:
+        layout, mesh = layout or Layout(), {}
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    document = provenance(spec, layout.describe(), layout, mesh)
+    if vocab is not None:
+        document["vocab"] = vocab
+    path = Path(folder) / DCP_RECORD
+    fmt.atomic_write_json(path, document)
+    return path
+
+
+def read_dcp_record(folder: Path) -> dict[str, Any] | None:
+    """The :data:`DCP_RECORD` of a DCP folder, or None when the folder has none."""
+    path = Path(folder) / DCP_RECORD
+    if not path.is_file():
+        return None
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(document, dict) or not all(k in document for k in ("spec", "spec_sha256", "tp")):
+        raise CheckpointError(f"{path}: not a layout record (needs spec, spec_sha256 and tp)")
+    return document
+
+
+def dcp_failure(exc: BaseException) -> str:
+    """One line for torch DCP's ``CheckpointException`` (its ``str`` is a traceback per rank)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        rank, (inner, _) = next(iter(sorted(failures.items())))
+        text = str(inner).strip().splitlines()
+        return f"rank {rank}: {type(inner).__name__}: {text[0] if text else ''}".rstrip(": ")
+    lines = str(exc).strip().splitlines()
+    return lines[-1] if lines else type(exc).__name__
+
+
 def import_dcp(
     folder: Path,
     output: Path,
     spec: ReshapeSpec | None = None,
-    tp: int = 1,
+    tp: int | None = None,
     vocab: int | None = None,
     step: int = 0,
     num_shards: int = 1,
@@ -161,15 +223,56 @@ def import_dcp(
 
     ``tp``: the tensor-parallel degree of the job that wrote it (fused parts are
     interleaved per TP rank in DCP's stored tensors); ``vocab``: the real
-    vocabulary size, to trim padded rows (kept when None).
+    vocabulary size, to trim padded rows (kept when None). DCP itself records
+    neither, nor the spec: a folder with :data:`DCP_RECORD` (written by
+    :func:`record_dcp_layout` after ``dcp.save``) supplies them, and a ``tp`` or
+    ``spec`` that disagrees with it is refused; without it ``tp`` is required.
     """
+    record = read_dcp_record(Path(folder))
+    if record is not None:
+        recorded = ReshapeSpec.from_json(record["spec"], f"{folder}/{DCP_RECORD} spec")
+        where = f"{folder}/{DCP_RECORD}"
+        if recorded.to_hash() != record.get("spec_sha256"):
+            raise CheckpointError(f"{where}: its spec does not match its spec_sha256 (edited by hand?)")
+        if tp is not None and tp != record["tp"]:
+            raise CheckpointError(
+                f"{folder}: --tp {tp}, but the job that saved it recorded tp={record['tp']} "
+                f"({record.get('source_layout')}); drop --tp (the record is used) or fix it"
+            )
+        if spec is not None and spec.to_hash() != recorded.to_hash():
+            raise CheckpointError(
+                f"{folder}: the spec given (sha256 {spec.to_hash()[:12]}) is not the one the job saved with "
+                f"({record['spec_sha256'][:12]}, in {where}); drop --spec (the recorded one is used) or "
+                f"give that one"
+            )
+        spec, tp = recorded, int(record["tp"])
+        if vocab is None and isinstance(record.get("vocab"), int):
+            vocab = record["vocab"]
+    if tp is None:
+        raise CheckpointError(
+            f"{folder}: a DCP checkpoint does not record the TP degree that saved it (no {DCP_RECORD}); "
+            f"pass --tp N (1 for DDP/FSDP-only jobs) and --spec with the model's fused 'parts', or write "
+            f"the record with checkmate.universal.interop.record_dcp_layout after dcp.save"
+        )
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     spec = spec or ReshapeSpec()
+    if not (Path(folder) / ".metadata").is_file():
+        raise CheckpointError(f"{folder}: no .metadata file; not a torch DCP checkpoint folder")
+    try:  # read first: DCP's loader logs a traceback per failed metadata read before raising
+        FileSystemReader(str(folder)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - unpickling a bad file raises many types
+        raise CheckpointError(
+            f"{folder}: its .metadata cannot be read ({type(exc).__name__}: {exc}); not a DCP checkpoint"
+        ) from None
     with tempfile.TemporaryDirectory(prefix="checkmate-dcp-") as scratch:
         flat_file = Path(scratch) / "state.pt"
         try:
             dcp_to_torch_save(str(folder), str(flat_file))
+        except CheckpointException as exc:  # derives from BaseException, not Exception
+            raise CheckpointError(f"{folder}: not a readable DCP checkpoint ({dcp_failure(exc)})") from None
         except Exception as exc:  # noqa: BLE001 - DCP raises many types for a bad folder
             raise CheckpointError(
                 f"{folder}: not a readable DCP checkpoint ({type(exc).__name__}: {exc})"
@@ -185,6 +288,7 @@ def import_dcp(
     for name, tensor in model.items():
         stored = tuple(tensor.shape)
         rule = spec.check_rule(name, stored)
+        check_fused(name, rule, tp, rule.cat_dim if rule.cat_dim is not None else 0)
         logical = list(stored)
         if rule.vocab and vocab is not None:
             logical[rule.cat_dim or 0] = vocab
@@ -211,7 +315,12 @@ def import_dcp(
     with staged_output(output) as staging:
         for shard, owned in enumerate(assign_owners(shapes, num_shards)):
             fmt.write_shard(staging, step, shard, num_shards, {n: atoms[n] for n in owned})
-        extra = {"universal": {"spec": spec.to_json(), "source_layout": f"dcp,tp={tp}"}}
+        universal = provenance(spec, f"dcp,tp={tp}")
+        universal.update(tp=tp, imported_from=str(folder))
+        if record is not None:
+            universal.update({k: record[k] for k in ("source_layout", "dp", "fsdp", "mesh") if k in record})
+            universal["source_layout"] = f"dcp,{record.get('source_layout', f'tp={tp}')}"
+        extra = {"universal": universal}
         fmt.write_global(
             staging,
             step,

@@ -32,7 +32,7 @@ from checkmate.universal.geometry import (
     restrict,
     whole,
 )
-from checkmate.universal.spec import LayoutError, ReshapeRule, ReshapeSpec
+from checkmate.universal.spec import LayoutError, ReshapeRule, ReshapeSpec, check_fused
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,21 @@ def storage_shape(
         if part % tp:
             what = f"sub-parameter of size {part}" if rule.parts else f"dim {rule.cat_dim} (size {size})"
             raise LayoutError(f"{name}: TP degree {tp} does not divide its {what} ({rule.describe()})")
+    check_heads(name, rule, tp, size)
     return tuple(shape)
+
+
+def check_heads(name: str, rule: ReshapeRule, tp: int, size: int) -> None:
+    """Under a rule with ``head_dim``, each TP rank must get whole heads of every part."""
+    if not rule.head_dim or tp <= 1:
+        return
+    for part in rule.parts or (size,):
+        heads = part // rule.head_dim
+        if heads % tp:
+            raise LayoutError(
+                f"{name}: TP degree {tp} does not divide its {heads} heads of {rule.head_dim} "
+                f"(a part of {part}; {rule.describe()}); use a TP degree that divides {heads}"
+            )
 
 
 def storage_pieces(
@@ -153,6 +167,7 @@ def storage_pieces(
         raise LayoutError(
             f"{name}: stored dim {dim} has {stored[dim]}, the parts of {rule.describe()} need {logical[dim]}"
         )
+    check_heads(name, rule, tp, logical[dim])
     pieces = []
     block = logical[dim] // tp
     for rank in range(tp):
@@ -338,6 +353,8 @@ def rank_holdings(
         vocab = None
         if stored_shapes and name in stored_shapes and rule.cat_dim is not None:
             vocab = tuple(stored_shapes[name])[rule.cat_dim]
+        if rule.cat_dim is not None:
+            check_fused(name, rule, layout.tp, rule.cat_dim)
         stored = storage_shape(name, rule, shape, layout.tp, vocab)
         if stored_shapes and name in stored_shapes and tuple(stored_shapes[name]) != stored:
             raise LayoutError(f"{name}: the target stores {tuple(stored_shapes[name])}, rule gives {stored}")

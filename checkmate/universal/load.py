@@ -28,11 +28,19 @@ from checkmate.universal.layout import (
     FlatPartition,
     Layout,
     LocalTensor,
+    check_heads,
     rank_holdings,
     stage_names,
     storage_pieces,
 )
-from checkmate.universal.spec import LayoutError, ReshapeSpec, check_compatible, spec_of_checkpoint
+from checkmate.universal.live import LiveLayout, LiveParameter, describe_module
+from checkmate.universal.spec import (
+    LayoutError,
+    ReshapeSpec,
+    check_compatible,
+    check_fused,
+    spec_of_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +109,7 @@ def load_rank(
 ) -> RankState:
     """Rank ``rank``'s tensors of ``layout``, reading only the elements it holds."""
     spec = resolve_spec(reader, spec)
+    reader.check_optimizer_states()
     holdings = rank_holdings(layout, spec, checkpoint_shapes(reader), rank)
     boxes = box_reader or BoxReader(reader)
     out = RankState()
@@ -127,19 +136,24 @@ def load_rank(
 
 
 def _dtensor_pieces(
-    name: str, spec: ReshapeSpec, logical: Sequence[int], parameter: Any, tp: int
+    name: str, spec: ReshapeSpec, logical: Sequence[int], parameter: Any, live: LiveParameter
 ) -> LocalTensor:
+    """What a DTensor holds, from its own placements; its rule must agree with them."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     rule = spec.check_rule(name, logical)
+    if live.tp_mesh and live.tp_dim is not None and live.tp_dim != rule.cat_dim:
+        raise LayoutError(
+            f"{name}: tensor parallelism shards dim {live.tp_dim} (Shard({live.tp_dim}) on mesh "
+            f"{dict(live.tp_mesh)}) but {rule.describe()}; fix the spec: a rule for {name} with "
+            f'"cat_dim": {live.tp_dim}'
+        )
+    check_fused(name, rule, live.tp_degree, live.tp_dim)
     stored = tuple(parameter.shape)
+    if rule.cat_dim is not None:
+        check_heads(name, rule, live.tp_degree, logical[rule.cat_dim])
+    pieces = storage_pieces(name, rule, logical, stored, live.tp_degree)
     placements = parameter.placements
-    for placement, mesh_dim in zip(placements, parameter.device_mesh.mesh_dim_names or (), strict=False):
-        if placement.is_shard() and mesh_dim == "tp" and placement.dim != rule.cat_dim:
-            raise LayoutError(
-                f"{name}: tensor parallelism shards dim {placement.dim} ({placement}) but {rule.describe()}"
-            )
-    pieces = storage_pieces(name, rule, logical, stored, tp)
     local_shape, offset = compute_local_shape_and_global_offset(stored, parameter.device_mesh, placements)
     window = tuple((o, o + n) for o, n in zip(offset, local_shape, strict=True))
     return LocalTensor(name, tuple(local_shape), restrict(pieces, window))
@@ -148,9 +162,10 @@ def _dtensor_pieces(
 def module_holdings(
     module: nn.Module,
     spec: ReshapeSpec,
-    layout: Layout,
-    rank: int,
+    layout: Layout | None,
+    rank: int | None,
     shapes: Mapping[str, Sequence[int]],
+    live: LiveLayout | None = None,
 ) -> dict[str, LocalTensor]:
     """Local parameter name -> what it holds, for a live module of ``layout`` on ``rank``.
 
@@ -162,6 +177,8 @@ def module_holdings(
     """
     from torch.distributed.tensor import DTensor
 
+    live = live or describe_module(module, layout, rank)
+    layout, rank = live.layout, live.rank
     named = dict(module.named_parameters())
     shapes = spec.with_aliases(shapes)
     stage = stage_names(spec, sorted(shapes), layout.pp)[layout.coords(rank)[0]]
@@ -205,7 +222,7 @@ def module_holdings(
     for local, parameter in named.items():
         name = holdings.local_names[local]
         if isinstance(parameter, DTensor):
-            out[local] = _dtensor_pieces(name, spec, shapes[name], parameter, layout.tp)
+            out[local] = _dtensor_pieces(name, spec, shapes[name], parameter, live.parameters[local])
         else:
             out[local] = holdings.tensors[local]
         if tuple(_local(parameter).shape) != out[local].shape:
@@ -247,16 +264,25 @@ def _like(parameter: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 def load_module(
     reader: CheckpointReader,
     module: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    layout: Layout,
-    rank: int,
+    optimizer: torch.optim.Optimizer | None = None,
+    layout: Layout | None = None,
+    rank: int | None = None,
     spec: ReshapeSpec | None = None,
     box_reader: BoxReader | None = None,
 ) -> int:
-    """Fill ``module`` (and ``optimizer``) of ``layout`` on ``rank`` in place; returns the step."""
+    """Fill ``module`` (and ``optimizer``) in place; returns the step. All or nothing.
+
+    The module describes its own layout (DTensor placements, FSDP2; see
+    :mod:`.live`); ``layout`` is needed only for what tensors cannot say
+    (pipeline stages, plain TP-local tensors) and must agree with them. ``rank``
+    defaults to this process's rank. Everything is read and checked (checksums,
+    optimizer state complete, names, shapes, groups) before anything is copied.
+    """
     spec = resolve_spec(reader, spec)
     shapes = checkpoint_shapes(reader)
-    holdings = module_holdings(module, spec, layout, rank, shapes)
+    live = describe_module(module, layout, rank)
+    layout, rank = live.layout, live.rank
+    holdings = module_holdings(module, spec, layout, rank, shapes, live)
     boxes = box_reader or BoxReader(reader)
     named = dict(module.named_parameters())
     local_names = {
@@ -273,30 +299,41 @@ def load_module(
             held=set(local_names.values()),
             ordered=False,  # state is placed by name below
         )
-    for local, tensor in holdings.items():
-        with torch.no_grad():
-            _local(named[local]).copy_(_fill(boxes, tensor, PARAM_STATE, like=_local(named[local])))
+    if optimizer is not None:
+        reader.check_optimizer_states()
+    # read and verify everything first: a bad byte or a short file leaves module and optimizer untouched
+    values = {
+        local: _fill(boxes, tensor, PARAM_STATE, like=_local(named[local]))
+        for local, tensor in holdings.items()
+    }
+    loaded: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+    if optimizer is not None:
+        by_id = {id(p): local for local, p in named.items()}
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                held = by_id.get(id(parameter))
+                if held is None:
+                    raise LayoutError("the optimizer holds a parameter the module does not")
+                tensor = holdings[held]
+                state: dict[str, torch.Tensor] = {}
+                for key in reader.states_of(tensor.name):
+                    if key == PARAM_STATE:
+                        continue
+                    if _is_scalar(reader, tensor.name, key):
+                        state[key] = boxes.read(tensor.name, key).clone()
+                    else:
+                        state[key] = _like(parameter, _fill(boxes, tensor, key, like=_local(parameter)))
+                if state:
+                    loaded.append((parameter, state))
+    with torch.no_grad():
+        for local, value in values.items():
+            _local(named[local]).copy_(value)
     if optimizer is None:
         return reader.step
-    by_id = {id(p): local for local, p in named.items()}
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            held = by_id.get(id(parameter))
-            if held is None:
-                raise LayoutError("the optimizer holds a parameter the module does not")
-            tensor = holdings[held]
-            state: dict[str, torch.Tensor] = {}
-            for key in reader.states_of(tensor.name):
-                if key == PARAM_STATE:
-                    continue
-                if _is_scalar(reader, tensor.name, key):
-                    state[key] = boxes.read(tensor.name, key).clone()
-                else:
-                    state[key] = _like(parameter, _fill(boxes, tensor, key, like=_local(parameter)))
-            if state:
-                optimizer.state[parameter] = state
-    for live, group in zip(optimizer.param_groups, groups, strict=True):
-        live.update({k: v for k, v in group.items() if k != "params"})
+    for parameter, state in loaded:
+        optimizer.state[parameter] = state
+    for live_group, group in zip(optimizer.param_groups, groups, strict=True):
+        live_group.update({k: v for k, v in group.items() if k != "params"})
     return reader.step
 
 

@@ -127,12 +127,17 @@ def _step(
     return float(value) / (layout.dp * layout.tp)
 
 
-def _save_dcp(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _save_dcp(
+    folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: Any, vocab: int
+) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from checkmate.universal.interop import record_dcp_layout
+
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
+    record_dcp_layout(folder, model, spec, vocab=vocab)  # what DCP does not say: TP degree, spec
 
 
 def rank_main(rank: int, job_dict: dict[str, object], store: str) -> None:
@@ -186,7 +191,7 @@ def rank_main(rank: int, job_dict: dict[str, object], store: str) -> None:
             if job.save_root and step in job.save_steps:
                 save(Path(job.save_root), step)
             if job.dcp_root and step in job.save_steps:
-                _save_dcp(Path(job.dcp_root) / f"step-{step}", model, optimizer)
+                _save_dcp(Path(job.dcp_root) / f"step-{step}", model, optimizer, spec, config.vocab)
         if rank == 0 and job.results:
             Path(job.results).write_text(json.dumps({"layout": job.layout, "losses": losses}))
     finally:

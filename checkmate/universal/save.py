@@ -33,9 +33,10 @@ from checkmate.job_state import JobState
 from checkmate.universal.extract import AtomMerger, Record, records_of_tensor
 from checkmate.universal.geometry import numel, whole
 from checkmate.universal.layout import Layout, LocalTensor
+from checkmate.universal.live import LiveLayout, describe_module
 from checkmate.universal.load import _local, module_holdings, optimizer_meta, stage_local_names
 from checkmate.universal.rank_files import read_rank_records, write_rank_file
-from checkmate.universal.spec import ReshapeSpec
+from checkmate.universal.spec import LayoutError, ReshapeSpec
 
 logger = logging.getLogger(__name__)
 
@@ -81,26 +82,77 @@ def save_universal(
     root: Path,
     step: int,
     module: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    layout: Layout,
-    spec: ReshapeSpec,
-    shapes: Mapping[str, Sequence[int]],
+    optimizer: torch.optim.Optimizer | None = None,
+    layout: Layout | None = None,
+    spec: ReshapeSpec | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
     extra: Mapping[str, Any] | None = None,
     timeout: float = 120.0,
     job_state: JobState | None = None,
 ) -> Path:
-    """Collective: every rank of ``layout`` calls it; returns the step's folder.
+    """Collective: every rank calls it; returns the step's folder.
 
-    ``shapes``: every parameter's logical (universal) shape by checkpoint name;
+    The module describes its own layout (DTensor placements, FSDP2 modules,
+    :mod:`.live`); ``layout`` is needed only for what tensors cannot say
+    (pipeline stages, plain TP-local tensors) and must agree with them.
+    ``spec``: the rules tensors cannot say (fused ``parts``, ``head_dim``,
+    ``vocab`` padding, ties). ``shapes``: every parameter's logical
+    (universal) shape by checkpoint name; by default each tensor's whole
+    shape (required for vocabulary-padded parameters and pipeline stages).
     ``job_state`` (rank 0's: buffers, scheduler, ...) goes into global.json as is.
     """
-    rank = dist.get_rank()
-    holdings = module_holdings(module, spec, layout, rank, shapes)
+    spec = spec or ReshapeSpec()
+    live = describe_module(module, layout)
+    layout, rank = live.layout, live.rank
+    if shapes is None:
+        shapes = _gathered_shapes(live_shapes(module, live, spec))
+    holdings = module_holdings(module, spec, layout, rank, shapes, live)
     records = module_records(module, optimizer, holdings, layout, rank, spec)
     local_names = stage_local_names(spec, shapes, layout, rank)
     name_of = {id(p): spec.canonical(local_names[n]) for n, p in module.named_parameters()}
     meta = optimizer_meta(optimizer, name_of) if optimizer is not None else {}
-    return save_records(root, step, records, meta, layout, spec, shapes, extra, timeout, job_state)
+    return save_records(
+        root, step, records, meta, layout, spec, shapes, extra, timeout, job_state, mesh=live.mesh
+    )
+
+
+def live_shapes(module: nn.Module, live: LiveLayout, spec: ReshapeSpec) -> dict[str, tuple[int, ...]]:
+    """Each parameter's logical shape from the tensor itself (whole DTensor shape, plain x TP degree)."""
+    layout = live.layout
+    if layout.pp > 1:
+        raise LayoutError(
+            f"layout {layout.describe()}: a pipeline stage holds only its own layers under local names; "
+            f"pass shapes= (every parameter's logical shape by checkpoint name)"
+        )
+    out: dict[str, tuple[int, ...]] = {}
+    for name in dict(module.named_parameters()):
+        rule = spec.rule(name)
+        item = live.parameters[name]
+        if rule.vocab:
+            raise LayoutError(
+                f"{name}: {rule.describe()} pads the vocabulary, and padded rows cannot be told from the "
+                f"tensor; pass shapes={{{name!r}: (<real vocabulary size>, ...)}}"
+            )
+        shape = list(item.global_shape)
+        if not item.dtensor and rule.cat_dim is not None and layout.tp > 1:
+            shape[rule.cat_dim] *= layout.tp  # a plain TP-local tensor
+        out[name] = tuple(shape)
+    return out
+
+
+def _gathered_shapes(mine: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dict(mine)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, dict(mine))
+    out: dict[str, tuple[int, ...]] = {}
+    for shapes in everyone:
+        for name, shape in shapes.items():
+            if out.setdefault(name, tuple(shape)) != tuple(shape):
+                raise LayoutError(
+                    f"{name}: ranks hold it with different whole shapes {out[name]} and {shape}"
+                )
+    return out
 
 
 def save_records(
@@ -114,8 +166,14 @@ def save_records(
     extra: Mapping[str, Any] | None = None,
     timeout: float = 120.0,
     job_state: JobState | None = None,
+    mesh: Mapping[str, int] | None = None,
 ) -> Path:
-    """Collective: each rank passes the records it holds and its optimizer description."""
+    """Collective: each rank passes the records it holds and its optimizer description.
+
+    ``global.json`` records how the checkpoint was made (``extra["universal"]``,
+    :func:`provenance`): the layout, its degrees, the mesh dimensions, the spec
+    and its SHA-256.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     shapes = {
         n: s for n, s in shapes.items() if spec.canonical(n) == n
@@ -136,7 +194,7 @@ def save_records(
     fmt.write_shard(root, step, rank, world, atoms)
     _barrier(timeout)
     if rank == 0:
-        universal = {"spec": spec.to_json(), "source_layout": layout.describe()}
+        universal = provenance(spec, layout.describe(), layout, mesh)
         fmt.write_global(
             root,
             step,
@@ -151,6 +209,25 @@ def save_records(
                 shutil.rmtree(leftover, ignore_errors=True)
     _barrier(timeout)
     return fmt.step_dir(root, step)
+
+
+def provenance(
+    spec: ReshapeSpec, source: str, layout: Layout | None = None, mesh: Mapping[str, int] | None = None
+) -> dict[str, Any]:
+    """``extra["universal"]``: how a checkpoint was made (checked by loads and imports)."""
+    out: dict[str, Any] = {"spec": spec.to_json(), "spec_sha256": spec.to_hash(), "source_layout": source}
+    if layout is not None:
+        out.update(
+            tp=layout.tp,
+            pp=layout.pp,
+            dp=layout.dp,
+            zero=layout.zero,
+            fsdp=layout.fsdp,
+            rank_order="dp-major: rank = (pp_index * dp + dp_index) * tp + tp_index",
+        )
+    if mesh:
+        out["mesh"] = dict(mesh)
+    return out
 
 
 def _merge_meta(metas: Sequence[Any]) -> dict[str, Any]:

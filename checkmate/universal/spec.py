@@ -33,6 +33,7 @@ checkpoint carries the rules it was written with.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -54,11 +55,15 @@ class ReshapeRule:
     parts: tuple[int, ...] | None = None
     vocab: bool = False
     average: bool = False
+    head_dim: int | None = None
+    """Attention head size along ``cat_dim``: TP must give every rank whole heads of each part."""
 
     def describe(self) -> str:
         bits = [f"pattern '{self.pattern}'", f"cat_dim={self.cat_dim}"]
         if self.parts:
             bits.append(f"parts={list(self.parts)}")
+        if self.head_dim:
+            bits.append(f"head_dim={self.head_dim}")
         if self.vocab:
             bits.append("vocab")
         if self.average:
@@ -69,6 +74,8 @@ class ReshapeRule:
         out: dict[str, Any] = {"pattern": self.pattern, "cat_dim": self.cat_dim}
         if self.parts:
             out["parts"] = list(self.parts)
+        if self.head_dim:
+            out["head_dim"] = self.head_dim
         if self.vocab:
             out["vocab"] = True
         if self.average:
@@ -79,7 +86,7 @@ class ReshapeRule:
     def from_json(cls, data: Any, where: str) -> ReshapeRule:
         if not isinstance(data, Mapping) or not isinstance(data.get("pattern"), str):
             raise LayoutError(f"{where}: a rule needs a 'pattern' string, got {data!r}")
-        unknown = set(data) - {"pattern", "cat_dim", "parts", "vocab", "average"}
+        unknown = set(data) - {"pattern", "cat_dim", "parts", "vocab", "average", "head_dim"}
         if unknown:
             raise LayoutError(f"{where}: rule {data['pattern']!r} has unknown keys {sorted(unknown)}")
         try:
@@ -98,15 +105,49 @@ class ReshapeRule:
             ):
                 raise LayoutError(f"{where}: rule {data['pattern']!r}: parts must list positive sizes")
             parts = tuple(parts)
-        rule = cls(data["pattern"], cat_dim, parts, bool(data.get("vocab", False)), bool(data.get("average")))
-        if (rule.parts or rule.vocab) and rule.cat_dim is None:
-            raise LayoutError(f"{where}: {rule.describe()}: parts and vocab need a cat_dim")
+        head_dim = data.get("head_dim")
+        if head_dim is not None and (
+            not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1
+        ):
+            raise LayoutError(f"{where}: rule {data['pattern']!r}: head_dim must be a positive size")
+        rule = cls(
+            data["pattern"],
+            cat_dim,
+            parts,
+            bool(data.get("vocab", False)),
+            bool(data.get("average")),
+            head_dim,
+        )
+        if (rule.parts or rule.vocab or rule.head_dim) and rule.cat_dim is None:
+            raise LayoutError(
+                f"{where}: {rule.describe()}: parts and vocab need a cat_dim (so does head_dim)"
+            )
         if rule.parts and rule.vocab:
             raise LayoutError(f"{where}: {rule.describe()}: a fused parameter cannot be a vocabulary")
         return rule
 
 
 REPLICATED = ReshapeRule(pattern="(default)")
+
+FUSED_NAME = re.compile(
+    r"(qkv|query_key_value|c_attn|in_proj|kv_proj|wkv|gate_up|up_gate|w13|w1w3|fc1_fc3)", re.IGNORECASE
+)
+"""Names of parameters that usually fuse sub-parameters (QKV, gate/up): TP splits each part."""
+
+
+def check_fused(name: str, rule: ReshapeRule, tp: int, split_dim: int | None) -> None:
+    """Refuse a fused-looking parameter that TP splits under a rule without ``parts``."""
+    match = FUSED_NAME.search(name)
+    if tp <= 1 or split_dim is None or rule.parts or match is None:
+        return
+    pattern = rule.pattern if rule.pattern != "(default)" else re.escape(name)
+    raise LayoutError(
+        f"{name}: looks fused ({match.group(0)!r}) and tensor parallelism (degree {tp}) splits dim "
+        f"{split_dim}, but {rule.describe()} has no 'parts': each TP rank holds its slice of every "
+        f"sub-parameter, so it would be stored rank-interleaved. Fix: give its rule the sub-parameter "
+        f'sizes, e.g. {{"pattern": "{pattern}", "cat_dim": {split_dim}, "parts": [q, k, v], '
+        f'"head_dim": h}}, or "parts": [<dim size>] if it is one matrix'
+    )
 
 
 @dataclass(frozen=True)
@@ -177,7 +218,19 @@ class ReshapeSpec:
                 f"{name}: {rule.describe()}: the parts add up to {sum(rule.parts)}, "
                 f"dim {rule.cat_dim} has {shape[rule.cat_dim or 0]}"
             )
+        if rule.head_dim:
+            for part in rule.parts or (shape[rule.cat_dim or 0],):
+                if part % rule.head_dim:
+                    raise LayoutError(
+                        f"{name}: {rule.describe()}: a part of size {part} is not whole heads of "
+                        f"{rule.head_dim}; fix head_dim or parts"
+                    )
         return rule
+
+    def to_hash(self) -> str:
+        """SHA-256 of the spec's canonical JSON (recorded with a checkpoint next to the spec)."""
+        text = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -241,5 +294,11 @@ def check_compatible(saved: ReshapeSpec, target: ReshapeSpec, names: Sequence[st
         if before.parts != after.parts:
             raise LayoutError(
                 f"{name}: saved with sub-parameter rule {before.describe()}, the target spec has "
-                f"{after.describe()}; a fused parameter needs the same parts to be split correctly"
+                f"{after.describe()}; a fused parameter needs the same parts to be split correctly "
+                f"(fix: give the target rule parts={list(before.parts or ())} or load without a spec)"
+            )
+        if before.head_dim and after.head_dim and before.head_dim != after.head_dim:
+            raise LayoutError(
+                f"{name}: saved with {before.describe()}, the target spec has {after.describe()}; "
+                f"the head size is the model's (fix: head_dim={before.head_dim})"
             )

@@ -35,13 +35,13 @@ class TinyConfig:
 
 
 def tiny_spec(config: TinyConfig) -> ReshapeSpec:
-    d, f = config.dim, config.ffn
+    d, f, h = config.dim, config.ffn, config.dim // config.heads
     return ReshapeSpec(
         rules=(
             ReshapeRule(r"embed\.weight", cat_dim=0, vocab=True),
             ReshapeRule(r"head\.weight", cat_dim=0, vocab=True),
-            ReshapeRule(r"layers\.\d+\.attn\.qkv\.(weight|bias)", cat_dim=0, parts=(d, d, d)),
-            ReshapeRule(r"layers\.\d+\.attn\.out\.weight", cat_dim=1),
+            ReshapeRule(r"layers\.\d+\.attn\.qkv\.(weight|bias)", cat_dim=0, parts=(d, d, d), head_dim=h),
+            ReshapeRule(r"layers\.\d+\.attn\.out\.weight", cat_dim=1, head_dim=h),
             ReshapeRule(r"layers\.\d+\.mlp\.gate_up\.weight", cat_dim=0, parts=(f, f)),
             ReshapeRule(r"layers\.\d+\.mlp\.down\.weight", cat_dim=1),
         ),

@@ -16,8 +16,18 @@ from checkmate.checkpoint.cli import main
 def root(tmp_path: Path) -> Path:
     root = tmp_path / "ckpt"
     states = {
-        "a.weight": {"param": torch.ones(3, 2), "exp_avg": torch.zeros(3, 2), "step": torch.tensor(2.0)},
-        "b.bias": {"param": torch.arange(4.0), "exp_avg": torch.ones(4), "step": torch.tensor(2.0)},
+        "a.weight": {
+            "param": torch.ones(3, 2),
+            "exp_avg": torch.zeros(3, 2),
+            "exp_avg_sq": torch.ones(3, 2),
+            "step": torch.tensor(2.0),
+        },
+        "b.bias": {
+            "param": torch.arange(4.0),
+            "exp_avg": torch.ones(4),
+            "exp_avg_sq": torch.zeros(4),
+            "step": torch.tensor(2.0),
+        },
     }
     fmt.write_global(
         root,
@@ -35,7 +45,12 @@ def root(tmp_path: Path) -> Path:
 def test_inspect_and_verify(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(root), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["step"] == 2 and summary["parameters"]["b.bias"]["states"] == ["exp_avg", "param", "step"]
+    assert summary["step"] == 2 and summary["parameters"]["b.bias"]["states"] == [
+        "exp_avg",
+        "exp_avg_sq",
+        "param",
+        "step",
+    ]
     assert summary["data_position"] == {"epoch": 1, "batch": 3}
     assert main(["inspect", str(root)]) == 0
     prefix = "data position after step 2: "

@@ -67,7 +67,7 @@ def test_convert_to_rank_files_and_import_them_back(saved: tuple[Path, dict], tm
         (
             "tp=3",
             "layers.0.attn.out.weight: TP degree 3 does not divide its dim 1 (size 16) "
-            r"(rule(pattern 'layers\.\d+\.attn\.out\.weight', cat_dim=1))",
+            r"(rule(pattern 'layers\.\d+\.attn\.out\.weight', cat_dim=1, head_dim=4))",
         ),
         ("pp=3", "pipeline: 3 stages do not divide the 2 layers"),
         ("tp=2,zero=5", "zero must be 0, 1, 2 or 3"),

@@ -112,6 +112,7 @@ def test_dcp_import_with_a_tp_degree_its_rules_cannot_split_fails_before_writing
 
     reader = write_atoms(tmp_path / "u", random_atoms(8))
     export_dcp(reader, tmp_path / "dcp")
+    (tmp_path / "dcp" / "checkmate-layout.json").unlink()  # no record: the degree given is taken as is
     with pytest.raises(LayoutError, match="qkv.*TP degree 5 does not divide"):
         import_dcp(tmp_path / "dcp", tmp_path / "out", tiny_spec(CONFIG), tp=5)
     assert not (tmp_path / "out").exists()
