@@ -45,7 +45,7 @@ system-packages:
 	echo "make setup: installing$$missing"; \
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends$$missing
 
-$(STAMP): pyproject.toml setup.py embedded_switch/native/_datapath.c
+$(STAMP): pyproject.toml setup.py embedded_switch/native/_datapath.c hosts/native/datapath.c hosts/native/sha256.h
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch==$(TORCH_VERSION) numpy
