@@ -5,8 +5,9 @@
 Each world size N runs in its own processes (one per rank, ``torch.set_num_threads(1)``) and
 measures, per rank: gloo's all-reduce and Checkmate's ring all-reduce
 (:class:`hosts.ring_allreduce.RingAllReduce` on :class:`hosts.transport.Transport`) of the same
-tensor, *interleaved* (gloo, ring, gloo, ring, ...: load from other processes on the machine
-falls on both alike), each with its wall time and the process's CPU time (all threads); then
+tensor on each of the transport's data paths (``--datapath native|python|both``; both by
+default), *interleaved* (gloo, native ring, python ring, gloo, ...: load from other processes
+on the machine falls on all alike), each with its wall time and the process's CPU time (all threads); then
 the step time of an MLP under DDP with gloo and with the Checkmate comm hook
 (:func:`hosts.ddp.enable_checkmate`; ``--steps 0`` skips it). It reports bus bandwidth
 (``2(N-1)/N * bytes / time``, the NCCL convention, median over the repetitions), the median
@@ -40,6 +41,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 LOOPBACK_OUT = "results/hosts_bench.json"
+DATAPATHS = ("native", "python")
+"""The transport's data paths (:class:`hosts.transport.TransportConfig` ``datapath``), measured in turn."""
 
 
 def udp_rcvbuf_errors() -> int | None:
@@ -62,8 +65,13 @@ def rank_benchmark(
     reps: int,
     steps: int,
     timeout: float,
+    datapaths: Sequence[str] = DATAPATHS,
 ) -> dict[str, Any]:
-    """One rank's measurements; every rank of the world calls it at once (``workers[r]`` is rank r's)."""
+    """One rank's measurements; every rank of the world calls it at once (``workers[r]`` is rank r's).
+
+    One transport per data path in ``datapaths`` (the first on ``workers[r]``, the next on the
+    following ports); each repetition runs gloo, then the ring on each data path in turn.
+    """
     import torch
     import torch.distributed as dist
 
@@ -85,13 +93,22 @@ def rank_benchmark(
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
     result: dict[str, Any] = {"bind": list(addresses[rank])}
 
-    # all-reduce, interleaved: gloo, ring, gloo, ring, ... (a separate job id; DDP below makes its own)
-    transport = Transport(TransportConfig(bind=addresses[rank], peer_timeout=30.0))
-    ring = RingAllReduce(
-        transport, RingConfig(job_id=4242, rank=rank, workers=addresses, timeout=collective_timeout)
-    )
-    timings: dict[str, list[float]] = {k: [] for k in ("gloo_s", "gloo_cpu_s", "ring_s", "ring_cpu_s")}
-    ring_drops = 0
+    # all-reduce, interleaved: gloo, ring (each data path), gloo, ring, ... (separate job ids;
+    # DDP below makes its own)
+    rings = []
+    for k, datapath in enumerate(datapaths):
+        bound = tuple((ip, port + k) for ip, port in addresses)
+        transport = Transport(TransportConfig(bind=bound[rank], peer_timeout=30.0, datapath=datapath))
+        if transport.datapath != datapath:
+            raise RuntimeError(f"the {datapath} data path is not available here")
+        ring = RingAllReduce(
+            transport, RingConfig(job_id=4242 + k, rank=rank, workers=bound, timeout=collective_timeout)
+        )
+        rings.append((datapath, transport, ring))
+    timings: dict[str, list[float]] = {"gloo_s": [], "gloo_cpu_s": []}
+    for datapath in datapaths:
+        timings[f"{datapath}_s"], timings[f"{datapath}_cpu_s"] = [], []
+    ring_drops = dict.fromkeys(datapaths, 0)
     for i in range(reps):
         y = x.clone()
         dist.barrier()
@@ -99,25 +116,31 @@ def rank_benchmark(
         dist.all_reduce(y)
         timings["gloo_s"].append(time.perf_counter() - t0)
         timings["gloo_cpu_s"].append(time.process_time() - c0)
-        dist.barrier()
-        before = udp_rcvbuf_errors()
-        c0, t0 = time.process_time(), time.perf_counter()
-        ring.allreduce(i, 0, x, ReduceOp.SUM)
-        timings["ring_s"].append(time.perf_counter() - t0)
-        timings["ring_cpu_s"].append(time.process_time() - c0)
-        after = udp_rcvbuf_errors()
-        if before is not None and after is not None:
-            ring_drops += after - before
+        for datapath, _, ring in rings:
+            dist.barrier()
+            before = udp_rcvbuf_errors()
+            c0, t0 = time.process_time(), time.perf_counter()
+            ring.allreduce(i, 0, x, ReduceOp.SUM)
+            timings[f"{datapath}_s"].append(time.perf_counter() - t0)
+            timings[f"{datapath}_cpu_s"].append(time.process_time() - c0)
+            after = udp_rcvbuf_errors()
+            if before is not None and after is not None:
+                ring_drops[datapath] += after - before
     result["gloo_allreduce_s"] = timings["gloo_s"]
     result["gloo_allreduce_cpu_s"] = timings["gloo_cpu_s"]
-    result["ring_allreduce_s"] = timings["ring_s"]
-    result["ring_allreduce_cpu_s"] = timings["ring_cpu_s"]
-    result["udp_rcvbuf_errors_during_ring"] = ring_drops
-    transport.wait_idle(10.0)
-    result["ring_transport"] = transport.stats()
+    result["datapaths"] = list(datapaths)
+    for k, (datapath, transport, _ring) in enumerate(rings):
+        prefix = "ring" if k == 0 else f"ring_{datapath}"  # "ring_*": the first (the default) path
+        for name in (prefix, f"ring_{datapath}"):
+            result[f"{name}_allreduce_s"] = timings[f"{datapath}_s"]
+            result[f"{name}_allreduce_cpu_s"] = timings[f"{datapath}_cpu_s"]
+            result[f"udp_rcvbuf_errors_during_{name}"] = ring_drops[datapath]
+        transport.wait_idle(10.0)
+        result[f"{prefix}_transport"] = result[f"ring_{datapath}_transport"] = transport.stats()
     dist.barrier()
-    ring.close()
-    transport.close()
+    for _, transport, ring in rings:
+        ring.close()
+        transport.close()
 
     if steps > 0:
         result["gloo_step_s"] = _step_times(
@@ -199,6 +222,15 @@ def summarize(world: int, mib: int, r0: dict[str, Any]) -> dict[str, Any]:
         "ring_datagrams_sent": stats.get("data_sent", 0),
         "udp_rcvbuf_errors_during_ring": r0.get("udp_rcvbuf_errors_during_ring"),
     }
+    for datapath in r0.get("datapaths", []):
+        dstats = r0[f"ring_{datapath}_transport"]
+        row[f"{datapath}_busbw_MBps"] = busbw(r0[f"ring_{datapath}_allreduce_s"])
+        row[f"{datapath}_ratio"] = row[f"{datapath}_busbw_MBps"] / gloo
+        row[f"{datapath}_cpu_ms"] = 1e3 * statistics.median(r0[f"ring_{datapath}_allreduce_cpu_s"])
+        row[f"{datapath}_retransmits"] = sum(v for k, v in dstats.items() if k.startswith("retransmit."))
+        row[f"{datapath}_udp_rcvbuf_errors"] = r0.get(f"udp_rcvbuf_errors_during_ring_{datapath}")
+    if r0.get("datapaths"):
+        row["checkmate_datapath"] = r0["datapaths"][0]
     if "gloo_step_s" in r0:
         row["gloo_step_ms"] = 1e3 * statistics.median(r0["gloo_step_s"])
         row["checkmate_step_ms"] = 1e3 * statistics.median(r0["checkmate_step_s"])
@@ -207,21 +239,34 @@ def summarize(world: int, mib: int, r0: dict[str, Any]) -> dict[str, Any]:
 
 # ---- loopback ---------------------------------------------------------------------------------
 def _rank_main(
-    rank: int, world: int, store: str, mib: int, reps: int, steps: int, timeout: float, out: Any
+    rank: int,
+    world: int,
+    store: str,
+    mib: int,
+    reps: int,
+    steps: int,
+    timeout: float,
+    datapaths: Sequence[str],
+    out: Any,
 ) -> None:
     from checkmate.wire import CHECKMATE_UDP_PORT
 
     workers = [(f"127.0.0.{10 + r}", CHECKMATE_UDP_PORT) for r in range(world)]
-    out.put((rank, rank_benchmark(rank, f"file://{store}", workers, mib, reps, steps, timeout)))
+    out.put((rank, rank_benchmark(rank, f"file://{store}", workers, mib, reps, steps, timeout, datapaths)))
 
 
-def run(world: int, mib: int, reps: int, steps: int, timeout: float = 600.0) -> dict[str, Any]:
+def run(
+    world: int, mib: int, reps: int, steps: int, timeout: float = 600.0, datapaths: Sequence[str] = DATAPATHS
+) -> dict[str, Any]:
     """One world size on loopback: its table row."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [
-            ctx.Process(target=_rank_main, args=(r, world, f"{tmp}/store", mib, reps, steps, timeout, out))
+            ctx.Process(
+                target=_rank_main,
+                args=(r, world, f"{tmp}/store", mib, reps, steps, timeout, tuple(datapaths), out),
+            )
             for r in range(world)
         ]
         for p in procs:
@@ -253,6 +298,7 @@ def rank_from_spec(path: pathlib.Path) -> int:
         spec["reps"],
         spec["steps"],
         spec["timeout"],
+        tuple(spec.get("datapaths", DATAPATHS[:1])),
     )
     out = pathlib.Path(spec["result"])
     tmp = out.with_suffix(".tmp")
@@ -263,33 +309,28 @@ def rank_from_spec(path: pathlib.Path) -> int:
 
 # ---- the command ------------------------------------------------------------------------------
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    columns = (
-        ("N", 2),
-        ("MiB", 4),
-        ("gloo MB/s", 10),
-        ("ckm MB/s", 9),
-        ("ratio", 6),
-        ("gloo CPU ms", 12),
-        ("ckm CPU ms", 11),
-        ("gloo step ms", 13),
-        ("ckm step ms", 12),
-        ("rexmit", 6),
-        ("rcvbuf drops", 12),
-    )
-    lines = [" ".join(f"{h:>{w}}" for h, w in columns)]
+    """Busbw (MB/s) and CPU ms per all-reduce of gloo and each data path; the DDP step times."""
+    datapaths = [d for d in DATAPATHS if rows and f"{d}_busbw_MBps" in rows[0]]
+    names = datapaths or ["ckm"]
+    header = ["N", "MiB", "gloo MB/s"]
+    header += [f"{d} MB/s" for d in names] + [f"{d} ratio" for d in names]
+    header += ["gloo CPU ms"] + [f"{d} CPU ms" for d in names]
+    header += ["gloo step ms", "ckm step ms", "rexmit", "rcvbuf drops"]
+    widths = [max(len(h), 6) for h in header]
+    lines = [" ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True))]
     for r in rows:
-        step = (
-            f"{r['gloo_step_ms']:>13.1f} {r['checkmate_step_ms']:>12.1f}"
-            if "gloo_step_ms" in r
-            else f"{'-':>13} {'-':>12}"
-        )
+        keys = [f"{d}_" for d in datapaths] if datapaths else ["checkmate_"]
+        cells = [str(r["world_size"]), str(r["bytes"] >> 20), f"{r['gloo_busbw_MBps']:.1f}"]
+        cells += [f"{r[k + 'busbw_MBps']:.1f}" for k in keys]
+        cells += [f"{r[k + 'ratio']:.2f}" if k != "checkmate_" else f"{r['ratio']:.2f}" for k in keys]
+        cells += [f"{r['gloo_cpu_ms']:.1f}"] + [f"{r[k + 'cpu_ms']:.1f}" for k in keys]
+        if "gloo_step_ms" in r:
+            cells += [f"{r['gloo_step_ms']:.1f}", f"{r['checkmate_step_ms']:.1f}"]
+        else:
+            cells += ["-", "-"]
         drops = r.get("udp_rcvbuf_errors_during_ring")
-        lines.append(
-            f"{r['world_size']:>2} {r['bytes'] >> 20:>4} {r['gloo_busbw_MBps']:>10.1f} "
-            f"{r['checkmate_busbw_MBps']:>9.1f} {r['ratio']:>6.2f} {r['gloo_cpu_ms']:>12.1f} "
-            f"{r['checkmate_cpu_ms']:>11.1f} {step} {r['ring_retransmits']:>6} "
-            f"{'-' if drops is None else drops:>12}"
-        )
+        cells += [str(r["ring_retransmits"]), "-" if drops is None else str(drops)]
+        lines.append(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
     return "\n".join(lines)
 
 
@@ -358,13 +399,21 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(LOOPBACK_OUT), help="JSON output")
     parser.add_argument("--rank-spec", type=pathlib.Path, help=argparse.SUPPRESS)  # one rank in a host
+    parser.add_argument(
+        "--datapath",
+        choices=[*DATAPATHS, "both"],
+        default="both",
+        help="the transport's data path(s) measured beside gloo (both: native and python, interleaved)",
+    )
     args = parser.parse_args(argv)
+    datapaths = DATAPATHS if args.datapath == "both" else (args.datapath,)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.rank_spec is not None:  # the secret comes from the launching benchmark's environment
         os.environ.setdefault("CHECKMATE_JOB_SECRET", secrets.token_hex(32))
         return rank_from_spec(args.rank_spec)
     document = start_document("loopback", args)
-    document["rows"] = [run(w, args.mib, args.reps, args.steps, args.timeout) for w in args.worlds]
+    document["datapaths"] = list(datapaths)
+    document["rows"] = [run(w, args.mib, args.reps, args.steps, args.timeout, datapaths) for w in args.worlds]
     finish_document(document, args.out)
     return 0
 
