@@ -13,8 +13,10 @@ needs the *current* state before anything else: it reports
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import select
+import selectors
 import socket
 import threading
 import time
@@ -78,6 +80,11 @@ class ShadowLink:
         self._needs_state = True
         self._stop = threading.Event()
         self._last_warning = 0.0
+        self._sleeping = False
+        """The link thread waits in select (under ``_cond``): a queued message must wake it."""
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._thread = threading.Thread(target=self._run, name=f"cm-ctl-{name}", daemon=True)
         self._thread.start()
 
@@ -114,7 +121,9 @@ class ShadowLink:
             self._count("dropped_queue_full")
             return
         self._queue.append(message)
-        self._cond.notify()
+        if self._sleeping:
+            self._sleeping = False
+            self._wake()
 
     def wait_connected(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -140,10 +149,12 @@ class ShadowLink:
                 self._enqueue(Goodbye(job_id=self.job_id, reason="rank 0 closing"))
         self.flush(timeout)
         self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
+        self._wake()
         self._thread.join(timeout=timeout)
         self._drop_connection(None)
+        if not self._thread.is_alive():
+            self._wake_r.close()
+            self._wake_w.close()
 
     # ---- thread ---------------------------------------------------------------------
     def _warn(self, text: str, *args: object) -> None:
@@ -182,37 +193,73 @@ class ShadowLink:
         logger.info("control link to shadow %s at %s is up", self.name, self.address)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            if self._sock is None:
-                self._connect()
-                continue
-            with self._cond:
-                if not self._queue:
-                    self._cond.wait(timeout=0.05)
-                message = self._queue.popleft() if self._queue else None
-                sock = self._sock
-                self._busy = message is not None
-            if sock is None:
-                continue
-            try:
-                if message is not None:
-                    send_message(sock, message, timeout=self.config.send_timeout)
-                    self._count(f"sent.{message.TYPE}")
-                    if isinstance(message, Goodbye):
-                        self._drop_connection(None)
-                        self._stop.set()
-                        return
-                self._read_replies(sock)
-            except (OSError, ControlProtocolError) as exc:
-                self._drop_connection(str(exc))
-            finally:
-                self._busy = False
+        """Connect, then write what is queued and read what the shadow says, waking only for either.
+
+        The thread sleeps in one ``select`` on the socket and a wake-up socket that
+        :meth:`_enqueue` and :meth:`close` write to: no timed polling, so an idle link costs
+        no wake-ups and a busy one one per message or reply (docs/benchmarks.md, the
+        workers' account).
+        """
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while not self._stop.is_set():
+                if self._sock is None:
+                    self._connect()
+                    continue
+                self._serve(self._sock, selector)
+        finally:
+            selector.close()
+
+    def _serve(self, sock: socket.socket, selector: selectors.BaseSelector) -> None:
+        """One connection: until it drops or the link stops."""
+        selector.register(sock, selectors.EVENT_READ)
+        try:
+            while not self._stop.is_set() and self._sock is sock:
+                with self._cond:
+                    message = self._queue.popleft() if self._queue else None
+                    self._busy = message is not None
+                    self._sleeping = message is None
+                try:
+                    if message is not None:
+                        send_message(sock, message, timeout=self.config.send_timeout)
+                        self._count(f"sent.{message.TYPE}")
+                        if isinstance(message, Goodbye):
+                            self._drop_connection(None)
+                            self._stop.set()
+                            return
+                        ready = selector.select(0)  # replies waiting (no wait)
+                    else:
+                        ready = selector.select(
+                            None
+                        )  # until a message is queued or the shadow says something
+                    for key, _ in ready:
+                        if key.fileobj is self._wake_r:
+                            self._drain_wake()
+                        else:
+                            self._read_replies(sock)
+                except (OSError, ControlProtocolError) as exc:
+                    self._drop_connection(str(exc))
+                finally:
+                    self._busy = False
+                    self._sleeping = False
+        finally:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                selector.unregister(sock)
+
+    def _wake(self) -> None:
+        """Wake the link thread if it sleeps (one byte on the wake-up socket; never blocks)."""
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while self._wake_r.recv(4096):
+                pass
 
     def _read_replies(self, sock: socket.socket) -> None:
+        """Every reply already here: one is read whole, then the socket is asked again without waiting."""
         while True:
-            readable, _, _ = select.select([sock], [], [], 0)
-            if not readable:
-                return
             reply = recv_message(sock, timeout=self.config.send_timeout)
             if isinstance(reply, Certified):
                 self._count("certified")
@@ -230,6 +277,15 @@ class ShadowLink:
                 raise ConnectionError(f"shadow said goodbye: {reply.reason}")
             else:
                 self._count("unexpected_reply")
+            if not _readable(sock):
+                return
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether ``sock`` has bytes (or EOF) to read now, without waiting (``poll``: no descriptor limit)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class ControlChannel:

@@ -185,3 +185,40 @@ def test_down_shadow_never_blocks_and_is_resynchronised_when_it_appears() -> Non
     finally:
         channel.close(1.0)
         shadow.close()
+
+
+def _voluntary_switches(native_id: int | None) -> int:
+    assert native_id is not None
+    for line in open(f"/proc/self/task/{native_id}/status").read().splitlines():
+        if line.startswith("voluntary_ctxt_switches"):
+            return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches line")
+
+
+def test_an_idle_link_does_not_wake_and_a_message_wakes_it_at_once() -> None:
+    """The link thread sleeps until a message is queued or the shadow writes (no timed polling)."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.32", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    shadow = FakeShadow(("127.0.0.32", port))
+    channel = ControlChannel(1, {"s": ("127.0.0.32", port)}, ControlConfig(connect_timeout=2.0))
+    try:
+        assert channel.wait_connected(3.0) == 1
+        channel.post_state(lambda: _state(0))  # type: ignore[arg-type,return-value]
+        assert channel.flush(3.0)
+        link = channel.links[0]
+        time.sleep(0.1)  # the JobStart's answer, if any, is read
+        before = _voluntary_switches(link._thread.native_id)
+        time.sleep(0.5)  # idle: the old link woke every 50 ms (10 times here)
+        idle_wakeups = _voluntary_switches(link._thread.native_id) - before
+        assert idle_wakeups <= 1
+        channel.post(Commit(1, 0, [0.1]))
+        deadline = time.monotonic() + 3
+        while channel.certified_through() != 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert channel.certified_through() == 0  # sent at once, and the answer read
+        assert link.counters.get("sent.commit") == 1
+    finally:
+        channel.close(1.0)
+        shadow.close()
