@@ -4,7 +4,9 @@ Every job has a secret (32 random bytes, hex in files and the environment) that
 ``checkmate-ctl job add`` creates or takes and keeps in the registry (mode 0600).
 Workers and shadows find it, in this order, in ``CHECKMATE_JOB_SECRET`` (hex),
 ``CHECKMATE_JOB_SECRET_FILE`` (a file holding the hex) or the ``"secret"`` of the
-job file named by ``CHECKMATE_JOB_FILE``; never on a command line. A missing,
+job file named by ``CHECKMATE_JOB_FILE``; never on a command line. A file holding
+the secret must be private to its owner (mode 0600 or stricter, as ssh requires of
+private keys). A missing,
 short or malformed secret, or two sources that disagree, is an
 :class:`AuthConfigError` naming the file or variable: nothing falls back to
 running unauthenticated.
@@ -25,6 +27,7 @@ import hmac
 import json
 import os
 import secrets
+import stat
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -73,8 +76,23 @@ def parse_secret(text: object, source: str) -> bytes:
     return raw
 
 
+def check_private(path: str | Path, what: str) -> None:
+    """Refuse (AuthConfigError) a file holding a secret that its group or others may access, as ssh
+    refuses such a private key: the mode must allow nothing beyond the owner (0600 or 0400)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise AuthConfigError(f"cannot read the {what} {path}: {exc}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise AuthConfigError(
+            f"the {what} {path} is accessible by its group or others (mode {stat.S_IMODE(mode):04o}): "
+            "it holds the job secret; chmod 600 it"
+        )
+
+
 def read_secret_file(path: str | Path) -> bytes:
-    """A secret file (hex, one line)."""
+    """A secret file (hex, one line; mode 0600 or stricter)."""
+    check_private(path, "job secret file")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -93,6 +111,7 @@ def secret_from_job_file(path: str | Path) -> bytes:
             f'job file {path} has no "secret": write it with the job\'s secret from the registry '
             "(checkmate-ctl job secret N) or set CHECKMATE_JOB_SECRET"
         )
+    check_private(path, "job file")  # it holds the secret
     return parse_secret(document["secret"], f"job file {path}")
 
 

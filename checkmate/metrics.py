@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BIND = "0.0.0.0"
+DEFAULT_BIND = "127.0.0.1"
 
 
 class MetricsPortError(OSError):

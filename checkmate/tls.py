@@ -54,6 +54,33 @@ class TlsFiles:
         return self.ca.read_bytes(), cert, key
 
 
+DEFAULT_P4RUNTIME_ADDRESS = "127.0.0.1:9559"
+"""Loopback: a controller elsewhere needs an explicit address (and should use mutual TLS)."""
+
+
+class InsecureServerError(TlsConfigError):
+    """A P4Runtime server that anyone who reaches it could program, without ``insecure=True``."""
+
+
+def is_local_address(address: str) -> bool:
+    """A unix socket or a loopback host (``127.x``, ``::1``, ``localhost``)."""
+    if address.startswith("unix:"):
+        return True
+    host = address.rpartition(":")[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def exposure(address: str, tls: bool, client_auth: bool) -> str | None:
+    """Why a server on ``address`` would let in anyone who reaches it, or None."""
+    if tls and not client_auth:
+        return "TLS without client certificates: any TLS client could arbitrate and write"
+    if not tls and not is_local_address(address):
+        return (
+            f"plaintext on {address}, which is not loopback: anyone on the network could program the switch"
+        )
+    return None
+
+
 def _load_cert(path: Path, what: str) -> object:
     from cryptography import x509
 

@@ -1,6 +1,6 @@
 """``checkmate-switch``: the embedded target, started like ``simple_switch_grpc``.
 
-    checkmate-switch --no-p4 -i 1@veth1 -i 2@veth2 --grpc-server-addr 0.0.0.0:9559 --cpu-port 255
+    checkmate-switch --no-p4 -i 1@veth1 -i 2@veth2 --grpc-server-addr 127.0.0.1:9559 --cpu-port 255
 
 Options are those of ``simple_switch_grpc`` (a ``--`` between the bmv2 and the
 target options is accepted and ignored), plus:
@@ -13,6 +13,11 @@ target options is accepted and ignored), plus:
 ``--drop-egress PORT:FRACTION`` (repeatable), ``--drop-seed N``
     Fault injection: drop FRACTION (0..1) of the frames leaving PORT, chosen by a
     generator seeded from (N, PORT); counted as drop reason FAULT_INJECTION.
+``--insecure-grpc-server``
+    Serve P4Runtime to anyone who reaches it: TLS without ``--grpc-server-with-client-auth``,
+    or plaintext on an address other than loopback or a unix socket. Refused without this
+    flag (status 2); with it, logged as insecure. The default address is 127.0.0.1:9559
+    (simple_switch_grpc's is 0.0.0.0:9559); ``--metrics-address`` defaults to 127.0.0.1.
 ``--datapath native|python``
     The data path (embedded_switch.native): ``native`` (default; C, batched I/O) or
     ``python`` (the reference). Without the built extension ``native`` warns once and
@@ -46,10 +51,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from checkmate.metrics import MetricsServer, parse_metrics_port
+from checkmate.metrics import DEFAULT_BIND, MetricsServer, parse_metrics_port
 from checkmate.p4.p4info import P4InfoError, load_p4info
 from checkmate.p4.program import P4INFO_PATH
-from checkmate.tls import TlsConfigError, TlsFiles, check_files
+from checkmate.tls import DEFAULT_P4RUNTIME_ADDRESS, TlsConfigError, TlsFiles, check_files, exposure
 from embedded_switch.metrics import switch_collector
 from embedded_switch.native import DATAPATHS
 from embedded_switch.ports import MAX_PORT, PortBinding, PortError, PortsConfig, SwitchPorts
@@ -76,7 +81,7 @@ class SwitchConfig:
     bindings: tuple[PortBinding, ...]
     p4info: Path | None
     device_id: int = 0
-    grpc_address: str = "0.0.0.0:9559"
+    grpc_address: str = DEFAULT_P4RUNTIME_ADDRESS
     cpu_port: int | None = None
     log_file: Path | None = None
     log_console: bool = False
@@ -88,9 +93,11 @@ class SwitchConfig:
     tls: TlsFiles | None = None
     """P4Runtime over TLS (--grpc-server-ssl and its files); None: plaintext."""
     client_auth: bool = False
+    insecure: bool = False
+    """--insecure-grpc-server: TLS without client certificates or plaintext off loopback allowed."""
     metrics_port: int | None = None
     """Prometheus endpoint (--metrics-port); None: none."""
-    metrics_address: str = "0.0.0.0"
+    metrics_address: str = DEFAULT_BIND
     datapath: str = DATAPATHS[0]
     """``native`` or ``python`` (--datapath)."""
 
@@ -155,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--device-id", type=int, default=0)
     parser.add_argument(
-        "--grpc-server-addr", default="0.0.0.0:9559", help="P4Runtime address (host:port or unix:PATH)"
+        "--grpc-server-addr",
+        default=DEFAULT_P4RUNTIME_ADDRESS,
+        help=f"P4Runtime address (host:port or unix:PATH; default {DEFAULT_P4RUNTIME_ADDRESS})",
     )
     parser.add_argument(
         "--cpu-port",
@@ -195,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="accept only clients with a certificate signed by --grpc-server-cacert (mutual TLS)",
     )
     parser.add_argument(
+        "--insecure-grpc-server",
+        action="store_true",
+        help="allow P4Runtime that anyone who reaches it can program: TLS without client "
+        "certificates, or plaintext on an address other than loopback (logged as insecure)",
+    )
+    parser.add_argument(
         "--profile", type=Path, metavar="PATH", help="write a cProfile of the I/O thread at exit"
     )
     parser.add_argument(
@@ -203,7 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="serve Prometheus metrics on this TCP port (docs/metrics.md); in use: refuse to start",
     )
-    parser.add_argument("--metrics-address", default="0.0.0.0", help="address for --metrics-port")
+    parser.add_argument(
+        "--metrics-address", default=DEFAULT_BIND, help=f"address for --metrics-port (default {DEFAULT_BIND})"
+    )
     parser.add_argument(
         "--datapath",
         choices=DATAPATHS,
@@ -270,9 +287,16 @@ def parse_config(argv: Sequence[str]) -> SwitchConfig:
             parser.error(str(exc))
     elif any((args.grpc_server_cacert, args.grpc_server_cert, args.grpc_server_key)):
         parser.error("--grpc-server-cacert/-cert/-key need --grpc-server-ssl")
+    why = exposure(args.grpc_server_addr, tls is not None, args.grpc_server_with_client_auth)
+    if why is not None and not args.insecure_grpc_server:
+        parser.error(
+            f"refusing to serve P4Runtime with {why}: add --grpc-server-with-client-auth (mutual TLS) "
+            "or, to accept that, --insecure-grpc-server"
+        )
     return SwitchConfig(
         tls=tls,
         client_auth=args.grpc_server_with_client_auth,
+        insecure=args.insecure_grpc_server,
         bindings=tuple(bindings),
         p4info=p4info,
         device_id=args.device_id,
@@ -336,6 +360,7 @@ def run(config: SwitchConfig, stop: threading.Event) -> int:
         on_packet_out=ports.inject,
         tls=config.tls,
         client_auth=config.client_auth,
+        insecure=config.insecure,
     )
     ports.on_packet_in = server.send_packet_in
     if info is not None:

@@ -25,6 +25,13 @@ p4runtime-shell's ``P4RuntimeWriteException`` prints them. Errors of a whole req
 (not primary, no pipeline, wrong device, malformed protobuf, a missing entry in a Read)
 end with that canonical code and a ``google.rpc.Status`` of the same code in the trailer.
 A bug in one RPC ends that RPC with INTERNAL, never the server.
+
+Safe by default (docs/security.md): the default address is loopback; TLS without client
+certificates (anyone who reaches the port could take the primary role) and plaintext on
+an address other than loopback or a unix socket are refused unless the caller says
+``insecure=True`` (``checkmate-switch --insecure-...``), which is logged as such.
+StreamChannels are bounded per peer and in all, idle ones cancelled, and the gRPC pool
+keeps threads for the other calls (:mod:`embedded_switch.p4runtime_limits`).
 """
 
 from __future__ import annotations
@@ -42,13 +49,14 @@ from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2
 
 from checkmate.p4.p4info import load_p4info
-from checkmate.tls import TlsConfigError, TlsFiles
+from checkmate.tls import DEFAULT_P4RUNTIME_ADDRESS, InsecureServerError, TlsConfigError, TlsFiles, exposure
 from embedded_switch import program
 from embedded_switch.p4runtime import read, write
 from embedded_switch.p4runtime.config import PipelineAction, PipelineStore, ResponseType
 from embedded_switch.p4runtime.errors import Failure, parse, set_failure, uint128
-from embedded_switch.p4runtime.sessions import MAX_STREAMS, Arbiter, End
+from embedded_switch.p4runtime.sessions import Arbiter, End
 from embedded_switch.p4runtime.stream import P4RuntimeStats, PacketIO, StreamChannel
+from embedded_switch.p4runtime_limits import StreamGate, StreamLimits
 from embedded_switch.state import SwitchState
 
 logger = logging.getLogger(__name__)
@@ -69,17 +77,28 @@ class P4RuntimeServer:
     def __init__(
         self,
         device_id: int,
-        address: str = "0.0.0.0:9559",
+        address: str = DEFAULT_P4RUNTIME_ADDRESS,
         cpu_port: int | None = None,
         on_pipeline: Callable[[SwitchState], None] | None = None,
         on_packet_out: Callable[[bytes, int], None] | None = None,
         tls: TlsFiles | None = None,
         client_auth: bool = False,
+        insecure: bool = False,
+        limits: StreamLimits | None = None,
     ) -> None:
         """``tls``: serve P4Runtime over TLS with ``tls.cert``/``tls.key``; ``client_auth``: accept only
-        clients whose certificate ``tls.ca`` signed (mutual TLS). None: plaintext (tutorial workflow)."""
+        clients whose certificate ``tls.ca`` signed (mutual TLS). None: plaintext (tutorial workflow,
+        loopback or a unix socket only unless ``insecure``). ``insecure``: also serve TLS without
+        client certificates, or plaintext on another address (logged). InsecureServerError otherwise."""
         if tls is not None and (tls.cert is None or tls.key is None):
             raise TlsConfigError("a TLS P4Runtime server needs its certificate and key")
+        why = exposure(address, tls is not None, client_auth)
+        if why is not None and not insecure:
+            raise InsecureServerError(
+                f"refusing to serve P4Runtime with {why}; use mutual TLS (--grpc-server-with-client-auth) "
+                "or say so explicitly (--insecure-grpc-server)"
+            )
+        self._exposure = why
         self._tls = (tls.read(), client_auth) if tls is not None else None
         self.device_id = device_id
         self.address = address
@@ -88,6 +107,13 @@ class P4RuntimeServer:
         self._arbiter = Arbiter(device_id)
         self._packets = PacketIO(self._arbiter, self._pipelines, cpu_port, on_packet_out)
         self._streams = StreamChannel(self._arbiter, self._packets)
+        self.limits = limits or StreamLimits()
+        self._gate = StreamGate(self._streams.serve, self.limits, f"P4Runtime device {device_id}")
+
+    @property
+    def refusals(self) -> dict[str, int]:
+        """Streams refused or cancelled, by cause (p4runtime_streams, _per_host, _idle_stream)."""
+        return dict(self._gate.refused)
 
     @property
     def cpu_port(self) -> int | None:
@@ -104,7 +130,7 @@ class P4RuntimeServer:
         if self._server is not None:
             raise RuntimeError("P4RuntimeServer already started")
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=2 * MAX_STREAMS + 16, thread_name_prefix="p4runtime"),
+            futures.ThreadPoolExecutor(max_workers=self.limits.pool_size, thread_name_prefix="p4runtime"),
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
@@ -130,6 +156,10 @@ class P4RuntimeServer:
             raise OSError(f"P4Runtime server cannot bind {self.address} (address in use?)")
         server.start()
         self._server = server
+        if self._exposure is not None:
+            logger.warning(
+                "P4Runtime server for device %d: INSECURE, as asked: %s", self.device_id, self._exposure
+            )
         logger.info(
             "P4Runtime server for device %d listening on %s (port %d), %s",
             self.device_id,
@@ -264,7 +294,7 @@ class P4RuntimeServer:
                     p4runtime_pb2.GetForwardingPipelineConfigResponse,
                 ),
                 "StreamChannel": grpc.stream_stream_rpc_method_handler(
-                    self._streams.serve,
+                    self._gate.serve,
                     request_deserializer=raw,
                     response_serializer=lambda m: m.SerializeToString(),
                 ),

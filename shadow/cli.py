@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -24,7 +25,7 @@ from checkmate.auth import AuthConfigError
 from checkmate.checkpoint.shadow_memory import RestoreError
 from checkmate.control import DEFAULT_CONTROL_PORT, query_status
 from checkmate.control_frame import ControlProtocolError
-from checkmate.metrics import MetricsServer, parse_metrics_port
+from checkmate.metrics import DEFAULT_BIND, MetricsServer, parse_metrics_port
 from checkmate.wire import CHECKMATE_UDP_PORT
 from shadow.cluster import certified_through
 from shadow.metrics import shadow_collector
@@ -116,7 +117,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="serve Prometheus metrics on this TCP port (docs/metrics.md); in use: refuse to start",
     )
-    run.add_argument("--metrics-address", default="0.0.0.0", help="address for --metrics-port")
+    run.add_argument(
+        "--metrics-address", default=DEFAULT_BIND, help=f"address for --metrics-port (default {DEFAULT_BIND})"
+    )
     status = sub.add_parser("status", help="print a shadow's status JSON")
     status.add_argument("address", type=_address(DEFAULT_CONTROL_PORT))
     status.add_argument("--timeout", type=float, default=5.0)
@@ -129,6 +132,7 @@ def _parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    os.umask(0o077)  # snapshots, status and logs hold the model: the owner's only (docs/security.md)
     torch.set_num_threads(args.threads)
     snapshots = None
     if args.snapshot_dir is not None:

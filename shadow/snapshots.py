@@ -21,6 +21,7 @@ cadence plus the write time; :func:`disk_status` says by how much.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -92,9 +93,26 @@ class SnapshotStats:
         return self.superseded
 
 
+def make_private(root: Path, step: int) -> None:
+    """What a snapshot of ``step`` wrote under ``root``: files 0600, directories 0700 (the model)."""
+    targets = [root, *root.iterdir()]
+    step_directory = step_dir(root, step)
+    if step_directory.is_dir():
+        targets += list(step_directory.rglob("*"))
+    for path in targets:
+        try:
+            if path.is_symlink():
+                continue
+            os.chmod(path, 0o700 if path.is_dir() else 0o600)
+        except FileNotFoundError:
+            pass  # pruned meanwhile
+
+
 class Snapshotter:
     def __init__(self, policy: SnapshotPolicy) -> None:
         self.policy = policy
+        policy.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(policy.directory, 0o700)  # also when it existed: the snapshots hold the model
         self.stats = SnapshotStats()
         self._held: dict[int, Snapshot] = {}
         """Due captures not yet written, by step (the newest ``policy.hold``)."""
@@ -176,6 +194,7 @@ class Snapshotter:
         if snapshot.step in storage.complete_steps(root):
             storage.update_latest(root, snapshot.step)
             storage.prune(root, self.policy.keep)
+        make_private(root, snapshot.step)
         self.stats.written += 1
         self.stats.last_step = snapshot.step
         self.stats.last_seconds = time.monotonic() - started

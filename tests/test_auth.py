@@ -45,6 +45,13 @@ def test_secret_sources_and_their_errors(tmp_path: Path) -> None:
         secret_from_env({})
     job_file = tmp_path / "job.json"
     job_file.write_text(json.dumps({"job": {}, "secret": SECRET.hex()}))
+    for mode in (0o644, 0o640, 0o604, 0o660):  # readable or writable by others: refused, as ssh does
+        os.chmod(job_file, mode)
+        with pytest.raises(
+            AuthConfigError, match=rf"job file {job_file} is accessible by .* \(mode 0{mode:o}\)"
+        ):
+            secret_from_env({"CHECKMATE_JOB_FILE": str(job_file)})
+    os.chmod(job_file, 0o600)
     assert secret_from_env({"CHECKMATE_JOB_FILE": str(job_file)}) == SECRET
     assert (
         secret_from_env({"CHECKMATE_JOB_SECRET": SECRET.hex(), "CHECKMATE_JOB_FILE": str(job_file)}) == SECRET
@@ -60,6 +67,9 @@ def test_secret_sources_and_their_errors(tmp_path: Path) -> None:
         secret_from_env({"CHECKMATE_JOB_FILE": str(bare)})
     secret_file = tmp_path / "s"
     secret_file.write_text(OTHER.hex() + "\n")
+    with pytest.raises(AuthConfigError, match=f"job secret file {secret_file} is accessible"):
+        secret_from_env({"CHECKMATE_JOB_SECRET_FILE": str(secret_file)})
+    os.chmod(secret_file, 0o400)
     assert secret_from_env({"CHECKMATE_JOB_SECRET_FILE": str(secret_file)}) == OTHER
 
 
@@ -74,6 +84,8 @@ def test_registry_keeps_secrets_private_and_checks_job_files(
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     good.write_text(json.dumps({"job": {}, "secret": secret.hex()}))
     bad.write_text(json.dumps({"job": {}, "secret": OTHER.hex()}))
+    os.chmod(good, 0o600)
+    os.chmod(bad, 0o600)
     secrets.check_job_file(4, good)
     with pytest.raises(JobSecretError, match=f"job file {bad}: its secret differs from job 4's"):
         secrets.check_job_file(4, bad)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import struct
 import threading
 import time
@@ -775,4 +776,170 @@ def test_p4runtime_clients_without_the_right_certificate_get_no_session(
         held=f"{comparisons} attempts ({', '.join(attempts)}; twice each), each refused at the TLS handshake "
         "(SwitchUnreachableError naming the switch and its address); the controller with the test CA's "
         "certificate got a primary session and read the P4Info",
+    )
+
+
+def test_idle_p4runtime_streams_cannot_starve_real_calls(reliability: Recorder) -> None:
+    import grpc
+    from p4.v1 import p4runtime_pb2, p4runtime_pb2_grpc
+
+    from checkmate.p4.program import P4INFO_PATH
+    from embedded_switch.p4runtime_limits import StreamLimits
+    from embedded_switch.p4runtime_server import P4RuntimeServer
+
+    case = "60 idle P4Runtime StreamChannels (never a message) from one host, then a real Capabilities call"
+    compared = (
+        "per idle stream: refused (RESOURCE_EXHAUSTED) or cancelled as idle, counted; per real call made "
+        "meanwhile: answered within 5 s"
+    )
+    reliability.begin(
+        area="bad input", case=case, target="switch (embedded P4Runtime server)", compared=compared
+    )
+    limits = StreamLimits(first_message_timeout=2.0)
+    server = P4RuntimeServer(1, "127.0.0.1:0", limits=limits)
+    server.load_pipeline(P4INFO_PATH)
+    address = f"127.0.0.1:{server.start()}"
+    hold = threading.Event()
+
+    def silence() -> Iterator[p4runtime_pb2.StreamMessageRequest]:
+        hold.wait(60)
+        return
+        yield  # a generator that sends nothing
+
+    idle = 60
+    channel = grpc.insecure_channel(address)
+    streams = [p4runtime_pb2_grpc.P4RuntimeStub(channel).StreamChannel(silence()) for _ in range(idle)]
+    answered = 0
+    try:
+        time.sleep(1.0)  # the streams are open (or refused) before the real calls
+        for _ in range(3):
+            with grpc.insecure_channel(address) as real:
+                try:
+                    reply = p4runtime_pb2_grpc.P4RuntimeStub(real).Capabilities(
+                        p4runtime_pb2.CapabilitiesRequest(), timeout=5
+                    )
+                    answered += bool(reply.p4runtime_api_version)
+                except grpc.RpcError:
+                    pass
+        ended = 0
+        for stream in streams:
+            try:
+                for _ in stream:
+                    pass
+            except grpc.RpcError as exc:
+                ended += exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
+        refusals = server.refusals
+    finally:
+        hold.set()
+        channel.close()
+        server.stop(grace=0)
+    comparisons = idle + 3
+    differed = (idle - ended) + (3 - answered)
+    reliability.compare(comparisons, differed)
+    assert differed == 0, (ended, answered, refusals)
+    assert sum(refusals.values()) == idle, refusals
+    reliability.record(
+        area="bad input",
+        case=case,
+        target="switch (embedded P4Runtime server)",
+        trials=idle,
+        compared=compared,
+        comparisons=comparisons,
+        differed=differed,
+        held=f"{ended}/{idle} idle streams ended by the switch "
+        f"({', '.join(f'{k} {v}' for k, v in sorted(refusals.items()))}); {answered}/3 Capabilities "
+        "calls answered meanwhile",
+    )
+
+
+def test_defaults_let_nobody_in(tmp_path: Path, reliability: Recorder) -> None:
+    from checkmate.auth import AuthConfigError, read_secret_file
+    from checkmate.metrics import DEFAULT_BIND
+    from checkmate.tls import InsecureServerError, TlsFiles, make_test_pki
+    from embedded_switch.cli import parse_config
+    from embedded_switch.p4runtime_server import P4RuntimeServer
+    from shadow.cli import _parser as shadow_parser
+    from shadow.snapshots import SnapshotPolicy
+
+    case = (
+        "defaults: P4Runtime and metrics addresses, TLS without client certificates, plaintext off "
+        "loopback, a group/world-readable secret file, the modes of a shadow's snapshot files"
+    )
+    compared = "per default: open to others (differed) or closed"
+    reliability.begin(area="bad input", case=case, target="switch, shadow, job secret", compared=compared)
+    pki = make_test_pki(tmp_path / "pki")
+    checks: dict[str, bool] = {}  # name -> closed
+    switch = parse_config(["--no-p4"])
+    checks["P4Runtime address is loopback"] = switch.grpc_address.startswith("127.")
+    checks["switch metrics address is loopback"] = switch.metrics_address == "127.0.0.1"
+    shadow_args = shadow_parser().parse_args(["run", "--name", "s0"])
+    checks["shadow metrics address is loopback"] = shadow_args.metrics_address == "127.0.0.1"
+    checks["rank 0 metrics address is loopback"] = DEFAULT_BIND == "127.0.0.1"
+    for name, argv in {
+        "TLS without client certificates refused (CLI)": [
+            "--no-p4", "--grpc-server-ssl", "--grpc-server-cert", str(pki.server_cert),
+            "--grpc-server-key", str(pki.server_key),
+        ],
+        "plaintext on 0.0.0.0 refused (CLI)": ["--no-p4", "--grpc-server-addr", "0.0.0.0:9559"],
+    }.items():  # fmt: skip
+        try:
+            parse_config(argv)
+            checks[name] = False
+        except SystemExit as exc:
+            checks[name] = exc.code == 2
+    try:
+        P4RuntimeServer(1, "127.0.0.1:0", tls=TlsFiles(pki.ca, pki.server_cert, pki.server_key))
+        checks["TLS without client certificates refused (server)"] = False
+    except InsecureServerError:
+        checks["TLS without client certificates refused (server)"] = True
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("ab" * 32)
+    for mode in (0o644, 0o640):
+        os.chmod(secret_file, mode)
+        try:
+            read_secret_file(secret_file)
+            checks[f"secret file mode {mode:04o} refused"] = False
+        except AuthConfigError:
+            checks[f"secret file mode {mode:04o} refused"] = True
+    node = ShadowNode(
+        ShadowConfig(
+            name="s0",
+            control_bind=(SHADOW_HOST, 0),
+            data_bind=(SHADOW_HOST, 0),
+            status_file=tmp_path / "status.json",
+            snapshots=SnapshotPolicy(tmp_path / "snapshots", every_iterations=1),
+            horizon=4,
+            io_timeout=2.0,
+            repair=RepairPolicy(grace=5.0),
+        )
+    ).start()
+    try:
+        rank0 = join(node)
+        _genuine_iteration(node, rank0, 0)
+        snapshotter = node.snapshotter
+        assert snapshotter is not None
+        assert wait_for(lambda: snapshotter.stats.written >= 1, 30), node.status()
+        rank0.close()
+    finally:
+        node.close()
+    loose = [
+        f"{p.relative_to(tmp_path)} {stat.S_IMODE(p.stat().st_mode):04o}"
+        for p in [tmp_path / "snapshots", *(tmp_path / "snapshots").rglob("*")]
+        if stat.S_IMODE(p.stat().st_mode) & 0o077
+    ]
+    written = sum(1 for _ in (tmp_path / "snapshots").rglob("*"))
+    checks[f"snapshot files and directories private ({written} written)"] = not loose and written > 0
+    comparisons = len(checks)
+    differed = sum(not closed for closed in checks.values())
+    reliability.compare(comparisons, differed)
+    assert differed == 0, ({k: v for k, v in checks.items() if not v}, loose)
+    reliability.record(
+        area="bad input",
+        case=case,
+        target="switch, shadow, job secret",
+        trials=comparisons,
+        compared=compared,
+        comparisons=comparisons,
+        differed=differed,
+        held="; ".join(checks),
     )

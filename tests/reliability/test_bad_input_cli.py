@@ -88,7 +88,8 @@ def cases(tmp: Path) -> dict[str, list[tuple[list[str], set[int], str]]]:
                 {1, 2},
                 "is not a P4Info text file",
             ),
-            (["--no-p4", "--grpc-server-addr", "203.0.113.9:9559"], {1}, "cannot"),
+            (["--no-p4", "--grpc-server-addr", "203.0.113.9:9559", "--insecure-grpc-server"], {1}, "cannot"),
+            (["--no-p4", "--grpc-server-addr", "0.0.0.0:9559"], {2}, "--insecure-grpc-server"),
         ],
         "checkmate-ctl": [
             ([], {2}, "required"),
