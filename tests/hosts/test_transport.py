@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import socket
 import struct
+import sys
 import threading
 import time
 
@@ -21,11 +23,21 @@ from checkmate.wire import (
 )
 from hosts.faults import FaultConfig
 from hosts.transport import PeerTimeoutError, Transport, TransportConfig
+from tests.hosts.datapaths import datapath_params
 
 JOB = 77
 A = ("127.0.0.10", CHECKMATE_UDP_PORT)
 B = ("127.0.0.11", CHECKMATE_UDP_PORT)
 PER = MAX_PAYLOAD_BYTES // 4
+
+
+@pytest.fixture(autouse=True, params=datapath_params)
+def datapath(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs on each data path: this module's TransportConfig defaults to it."""
+    monkeypatch.setattr(
+        sys.modules[__name__], "TransportConfig", functools.partial(TransportConfig, datapath=request.param)
+    )
+    return str(request.param)
 
 
 class Sink:

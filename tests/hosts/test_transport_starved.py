@@ -24,6 +24,7 @@ import pytest
 from checkmate.wire import CHECKMATE_UDP_PORT, MAX_PAYLOAD_BYTES, CheckmateHeader, DType, MessageType
 from hosts.faults import FaultConfig
 from hosts.transport import PeerTimeoutError, Transport, TransportConfig
+from tests.hosts.datapaths import datapath_params
 
 JOB = 78
 SENDER = ("127.0.0.10", CHECKMATE_UDP_PORT)
@@ -35,7 +36,7 @@ BUCKET_MB = 24
 _CTX = mp.get_context("spawn")
 
 
-def _receiver(count: int, recv_drop: float, ready: Any, out: Any) -> None:
+def _receiver(count: int, recv_drop: float, datapath: str, ready: Any, out: Any) -> None:
     """Child: receive ``count`` datagrams into one array; report its digest and the transport's stats."""
     array = np.zeros(count * PER, dtype=np.float32)
     seen = np.zeros(count, dtype=np.int32)
@@ -51,7 +52,7 @@ def _receiver(count: int, recv_drop: float, ready: Any, out: Any) -> None:
             done.set()
 
     faults = FaultConfig(seed=5, recv_drop=recv_drop)
-    with Transport(TransportConfig(bind=RECEIVER, faults=faults)) as transport:
+    with Transport(TransportConfig(bind=RECEIVER, faults=faults, datapath=datapath)) as transport:
         transport.add_job(JOB, 1, {0: SENDER}, on_data=on_data)
         ready.set()
         finished = done.wait(120.0)
@@ -83,19 +84,20 @@ def _starve(pid: int, stop: threading.Event, stopped_s: float, running_s: float)
             pass
 
 
+@pytest.mark.parametrize("datapath", datapath_params)
 @pytest.mark.parametrize("recv_drop", [0.0, 0.02], ids=["starved", "starved-loss2"])
-def test_large_bucket_reaches_a_starved_receiver_bit_exact(recv_drop: float) -> None:
+def test_large_bucket_reaches_a_starved_receiver_bit_exact(recv_drop: float, datapath: str) -> None:
     count = BUCKET_MB * (1 << 20) // MAX_PAYLOAD_BYTES
     data = np.random.default_rng(7).standard_normal(count * PER, dtype=np.float32)
     ready, out = _CTX.Event(), _CTX.Queue()
-    child = _CTX.Process(target=_receiver, args=(count, recv_drop, ready, out), daemon=True)
+    child = _CTX.Process(target=_receiver, args=(count, recv_drop, datapath, ready, out), daemon=True)
     child.start()
     stop = threading.Event()
     failures: list[PeerTimeoutError] = []
     try:
         assert ready.wait(60.0), "the receiver did not start"
         starver = threading.Thread(target=_starve, args=(child.pid, stop, 0.4, 0.1), daemon=True)
-        with Transport(TransportConfig(bind=SENDER)) as sender:
+        with Transport(TransportConfig(bind=SENDER, datapath=datapath)) as sender:
             sender.add_job(JOB, 0, {1: RECEIVER}, on_data=lambda h, p, s: None, on_failure=failures.append)
             starver.start()
             start = time.monotonic()
