@@ -1,7 +1,13 @@
 """Throughput of a switch target in network namespaces (a benchmark, not a test).
 
-    sudo .venv/bin/python -m embedded_switch.benchmark            # embedded target
+    sudo .venv/bin/python -m embedded_switch.benchmark            # both data paths, and BMv2 if installed
+    sudo .venv/bin/python -m embedded_switch.benchmark --target embedded --datapath native
     sudo .venv/bin/python -m embedded_switch.benchmark --target bmv2 --json results/switch_bench_bmv2.json
+
+Targets, one after the other in one run: the embedded switch with each data path
+(``--datapath native`` and ``python``, :mod:`embedded_switch.native`), then
+``simple_switch_grpc`` when it is on PATH and build/v1model/checkmate.json exists
+(``make p4``); ``--target`` and ``--datapath`` pick some of them.
 
 Three ports: 1 (a worker sending), 2 (its next hop), 3 (a shadow). For unicast
 and for 2-way replication (next hop + rewritten shadow copy), at 1514 and 9014
@@ -19,7 +25,11 @@ bisected (RFC 2544 style). Per case the table shows
 counters (what the switch received on port 1, what arrived on the host ends of
 ports 2 and 3), so no receiver process competes for the two CPUs; a sender
 running flat out would starve the switch instead of measuring it, which is why
-every run is paced. Results go to results/switch_bench.json and a table.
+every run is paced. The generator sends with ``sendmmsg`` (the native extension's
+``send_frames``) when it is built, else one ``send`` per frame, which tops out
+near 200k frames/s here; a run whose generator fell short of its rate ends the
+search and says so. Results go to results/switch_bench.json and a table, with
+the switch's CPU time per frame forwarded (user + system, microseconds).
 ``--profile`` then runs the 2-way 1514-byte case just above its lossless rate
 with the I/O thread under cProfile and prints where the time goes; the
 switch's user/system CPU seconds are reported for every run.
@@ -31,19 +41,20 @@ import argparse
 import json
 import os
 import pstats
+import shutil
 import socket
 import struct
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from checkmate import wire
 from checkmate.wire import CHECKMATE_UDP_PORT, CheckmateHeader, DType, Flags, MessageType
-from embedded_switch import testbed
+from embedded_switch import native, testbed
 from embedded_switch.pipeline import ipv4_checksum
 
 SENDER, NEXT_HOP, SHADOW = 1, 2, 3
@@ -53,6 +64,7 @@ SWITCH_MAC, SENDER_MAC, NEXT_HOP_MAC, SHADOW_MAC = (
 SENDER_IP, NEXT_HOP_IP, SHADOW_IP = "10.0.1.1", "10.0.2.1", "10.0.3.1"
 JOB_ID, JOB_SLOT, GROUP, RID, SHADOW_UDP_PORT = 7, 1, 1, 1, 50001
 RESULTS = testbed.REPO_ROOT / "results" / "switch_bench.json"
+BMV2_JSON = testbed.REPO_ROOT / "build" / "v1model" / "checkmate.json"
 _FRAME_VARIANTS = 64
 
 
@@ -70,6 +82,8 @@ class Scenario:
 @dataclass
 class RunResult:
     target: str
+    datapath: str
+    """The embedded switch's data path (native or python); empty for BMv2."""
     scenario: str
     frame_bytes: int
     mode: str
@@ -86,6 +100,18 @@ class RunResult:
     out_mbps: float
     switch_cpu_user_s: float
     switch_cpu_sys_s: float
+    generator_limited: bool = False
+    """The generator sent less than 95 % of the rate asked for (the figure is the generator's limit)."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.target}-{self.datapath}" if self.datapath else self.target
+
+    @property
+    def cpu_us_per_packet(self) -> float:
+        """The switch's user + system CPU time per frame it forwarded (in), in the measured window."""
+        forwarded = self.in_pps * self.duration_s
+        return 1e6 * (self.switch_cpu_user_s + self.switch_cpu_sys_s) / forwarded if forwarded else 0.0
 
 
 # ---- frames ---------------------------------------------------------------------------------------------
@@ -135,8 +161,10 @@ def generate(iface: str, frames_path: Path, duration: float, rate: float) -> Non
     sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(testbed.ETH_P_ALL))
     sock.bind((iface, testbed.ETH_P_ALL))
     sock.setsockopt(socket.SOL_SOCKET, 32, 8 << 20)  # SO_SNDBUFFORCE
+    send_frames = _native_sender()
     send = sock.send
-    batch = 16
+    fd = sock.fileno()
+    batch = 32 if send_frames is not None else 16
     sent = errors = 0
     print("start", flush=True)
     start = time.perf_counter()
@@ -151,6 +179,12 @@ def generate(iface: str, frames_path: Path, duration: float, rate: float) -> Non
             due = start + sent / rate
             if due > now:
                 time.sleep(due - now)
+        if send_frames is not None:
+            ok, failed = send_frames(fd, frames, i, batch)
+            sent += ok
+            errors += failed
+            i = (i + batch) % nframes
+            continue
         for _ in range(batch):
             try:
                 send(frames[i])
@@ -160,6 +194,14 @@ def generate(iface: str, frames_path: Path, duration: float, rate: float) -> Non
             i = (i + 1) % nframes
     elapsed = time.perf_counter() - start
     print(json.dumps({"sent": sent, "errors": errors, "elapsed": elapsed}), flush=True)
+
+
+def _native_sender() -> Callable[[int, list[bytes], int, int], tuple[int, int]] | None:
+    """The extension's sendmmsg sender, or None when it is not built."""
+    if not native.available():
+        return None
+    sender: Callable[[int, list[bytes], int, int], tuple[int, int]] = native.extension().send_frames
+    return sender
 
 
 # ---- measuring ------------------------------------------------------------------------------------------
@@ -244,6 +286,7 @@ def run_once(
     mode: str,
     rate: float,
     duration: float,
+    datapath: str = "",
 ) -> RunResult:
     frames_path = bed.workdir / f"frames-{scenario.frame_bytes}-{int(scenario.replicate)}.bin"
     frames_path.write_bytes(b"".join(struct.pack("!I", len(f)) + f for f in make_frames(scenario)))
@@ -284,6 +327,7 @@ def run_once(
     expected = rx_total * scenario.copies
     return RunResult(
         target=switch.kind,
+        datapath=datapath,
         scenario=scenario.name,
         frame_bytes=scenario.frame_bytes,
         mode=mode,
@@ -300,24 +344,26 @@ def run_once(
         out_mbps=out_bytes_window / window / 1e6,
         switch_cpu_user_s=c1[0] - c0[0],
         switch_cpu_sys_s=c1[1] - c0[1],
+        generator_limited=report["sent"] / report["elapsed"] < 0.95 * rate,
     )
 
 
 def print_table(results: Sequence[RunResult], header: bool = True) -> None:
     head = (
-        f"{'target':8} {'case':9} {'bytes':>5} {'mode':6} {'offered/s':>10} {'in pkt/s':>9} {'in MB/s':>8} "
-        f"{'out pkt/s':>9} {'out MB/s':>8} {'lost':>7} {'loss%':>6} {'cpu u/s':>9}"
+        f"{'target':15} {'case':9} {'bytes':>5} {'mode':9} {'offered/s':>10} {'in pkt/s':>9} {'in MB/s':>8} "
+        f"{'out pkt/s':>9} {'out MB/s':>8} {'lost':>7} {'loss%':>6} {'cpu u/s':>9} {'us/pkt':>6}"
     )
     if header:
         print(head)
         print("-" * len(head))
     for r in results:
         loss = 100.0 * r.lost / r.expected_out if r.expected_out else 0.0
+        mode = r.mode + ("*" if r.generator_limited else "")
         print(
-            f"{r.target:8} {r.scenario:9} {r.frame_bytes:>5} {r.mode:6} {r.offered_pps:>10.0f} "
+            f"{r.label:15} {r.scenario:9} {r.frame_bytes:>5} {mode:9} {r.offered_pps:>10.0f} "
             f"{r.in_pps:>9.0f} {r.in_mbps:>8.1f} {r.out_pps:>9.0f} {r.out_mbps:>8.1f} "
             f"{r.lost:>7} {loss:>6.2f} "
-            f"{r.switch_cpu_user_s:>4.1f}/{r.switch_cpu_sys_s:<4.1f}"
+            f"{r.switch_cpu_user_s:>4.1f}/{r.switch_cpu_sys_s:<4.1f} {r.cpu_us_per_packet:>6.2f}"
         )
 
 
@@ -332,13 +378,16 @@ def print_profile(path: Path, top: int = 18) -> None:
         print(f"{tottime:>8.2f} {100 * tottime / total:>5.1f}% {calls:>9}  {name} ({where})")
 
 
-def default_start_rate(target: str, frame_bytes: int) -> float:
+def default_start_rate(target: str, frame_bytes: int, datapath: str = "python") -> float:
     """First rate tried (pkt/s): well below each target's lossless rate, so the search rises to it.
 
-    BMv2 forwards a few thousand frames per second here, the embedded target tens of thousands.
+    BMv2 forwards a few thousand frames per second here, the embedded target's Python data
+    path tens of thousands, its native one hundreds of thousands.
     """
     if target == "bmv2":
         return 2_000.0 if frame_bytes <= 1600 else 1_500.0
+    if datapath == "native":
+        return 150_000.0 if frame_bytes <= 1600 else 50_000.0
     return 40_000.0 if frame_bytes <= 1600 else 15_000.0
 
 
@@ -349,6 +398,7 @@ def search(
     duration: float,
     start: float,
     bisections: int = 4,
+    datapath: str = "",
 ) -> list[RunResult]:
     """Runs at rising, then bisected rates: the highest rate without loss and the saturated throughput.
 
@@ -357,9 +407,9 @@ def search(
     runs: list[RunResult] = []
     lo, hi, rate = 0.0, 0.0, start
     while not hi and len(runs) < 8:
-        r = run_once(bed, switch, scenario, "paced", rate, duration)
+        r = run_once(bed, switch, scenario, "paced", rate, duration, datapath)
         runs.append(r)
-        if r.offered_pps < 0.95 * rate:  # the generator is the limit: stop here
+        if r.generator_limited:  # the generator is the limit: stop here
             return runs
         if r.lost == 0:
             lo, rate = rate, rate * 1.4
@@ -367,7 +417,7 @@ def search(
             hi = rate
     for _ in range(bisections if hi else 0):
         rate = (lo + hi) / 2
-        r = run_once(bed, switch, scenario, "paced", rate, duration)
+        r = run_once(bed, switch, scenario, "paced", rate, duration, datapath)
         runs.append(r)
         lo, hi = (rate, hi) if r.lost == 0 else (lo, rate)
     return runs
@@ -385,16 +435,64 @@ def summarize(runs: Sequence[RunResult]) -> list[RunResult]:
     return out
 
 
+def bmv2_missing() -> str | None:
+    """Why BMv2 cannot run here, or None."""
+    if shutil.which("simple_switch_grpc") is None:
+        return "simple_switch_grpc is not on PATH"
+    if not BMV2_JSON.exists():
+        return f"{BMV2_JSON.relative_to(testbed.REPO_ROOT)} does not exist (make p4)"
+    return None
+
+
+def targets_to_run(target: str, datapath: str) -> list[tuple[str, str]]:
+    """(switch kind, data path) pairs to measure, in order; prints why any is left out."""
+    out: list[tuple[str, str]] = []
+    if target in ("all", "embedded"):
+        for dp in native.DATAPATHS if datapath == "both" else (datapath,):
+            if dp == "native" and not native.available():
+                print(f"note: the native data path is not built ({native.IMPORT_ERROR}); not measured")
+                continue
+            out.append(("embedded", dp))
+    if target in ("all", "bmv2"):
+        why = bmv2_missing()
+        if why is None:
+            out.append(("bmv2", ""))
+        else:
+            print(f"note: BMv2 not measured: {why}")
+    return out
+
+
+def ratios(results: Sequence[RunResult]) -> list[dict[str, object]]:
+    """Lossless input rate of each embedded data path over BMv2's, per case, where both were measured."""
+    lossless = {(r.label, r.scenario, r.frame_bytes): r.in_pps for r in results if r.mode == "lossless"}
+    out: list[dict[str, object]] = []
+    for (label, scenario, size), pps in sorted(lossless.items()):
+        bmv2 = lossless.get(("bmv2", scenario, size))
+        if label != "bmv2" and bmv2:
+            out.append({"target": label, "scenario": scenario, "frame_bytes": size, "over_bmv2": pps / bmv2})
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m embedded_switch.benchmark", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--target", choices=["embedded", "bmv2"], default="embedded")
+    parser.add_argument(
+        "--target",
+        choices=["all", "embedded", "bmv2"],
+        default="all",
+        help="all: the embedded switch, then BMv2 when it is installed",
+    )
+    parser.add_argument(
+        "--datapath", choices=[*native.DATAPATHS, "both"], default="both", help="the embedded switch's"
+    )
     parser.add_argument("--duration", type=float, default=2.0, help="seconds per run")
     parser.add_argument("--sizes", default="1514,9014", help="frame sizes in bytes")
     parser.add_argument("--cases", default="unicast,2-way", help="unicast and/or 2-way")
     parser.add_argument("--start-rate", type=float, default=0.0, help="first rate tried (pkt/s)")
-    parser.add_argument("--profile", action="store_true", help="also profile the 2-way 1514 B case")
+    parser.add_argument(
+        "--profile", action="store_true", help="also cProfile the Python data path's 2-way 1514 B case"
+    )
     parser.add_argument("--json", type=Path, default=RESULTS)
     parser.add_argument("--generate", metavar="IFACE", help=argparse.SUPPRESS)
     parser.add_argument("--frames", type=Path, help=argparse.SUPPRESS)
@@ -414,34 +512,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     scenarios = [
         Scenario(c, c == "2-way", size) for size in sizes for c in ("unicast", "2-way") if c in cases
     ]
+    targets = targets_to_run(args.target, args.datapath)
+    if not targets:
+        print("nothing to measure", file=sys.stderr)
+        return 2
     results: list[RunResult] = []
     every_run: list[RunResult] = []
     profile_path: Path | None = None
     with testbed.testbed([SENDER, NEXT_HOP, SHADOW], prefix="cmb") as bed:
-        passes: list[tuple[str, list[str]]] = [("plain", [])]
-        if args.profile and args.target == "embedded":
+        passes: list[tuple[str, str, str, list[str]]] = [("plain", kind, dp, []) for kind, dp in targets]
+        if args.profile and ("embedded", "python") in targets:
             profile_path = bed.workdir / "io-thread.prof"
-            passes.append(("profile", ["--profile", str(profile_path)]))
-        for label, extra in passes:
-            extra_args = ["--log-level", "warn", *extra] if args.target == "embedded" else []
-            switch = testbed.start_switch(args.target, bed, extra_args)
+            passes.append(("profile", "embedded", "python", ["--profile", str(profile_path)]))
+        first = True
+        for label, kind, datapath, extra in passes:
+            extra_args = ["--log-level", "warn", "--datapath", datapath, *extra] if kind == "embedded" else []
+            switch = testbed.start_switch(kind, bed, extra_args)
             try:
-                device_config = testbed.REPO_ROOT / "build" / "v1model" / "checkmate.json"
-                if args.target == "embedded":
+                device_config = BMV2_JSON
+                if kind == "embedded":
                     device_config = bed.workdir / "embedded.bin"
                     device_config.write_bytes(b"")
                 program_switch(switch.address, device_config)
                 if label == "profile":
-                    best = [r for r in results if r.scenario == "2-way" and r.frame_bytes == 1514]
+                    best = [
+                        r
+                        for r in results
+                        if r.datapath == "python" and r.scenario == "2-way" and r.frame_bytes == 1514
+                    ]
                     rate = best[0].offered_pps * 1.1 if best else 100_000.0
-                    run_once(bed, switch, Scenario("2-way", True, 1514), "profile", rate, args.duration)
+                    scenario = Scenario("2-way", True, 1514)
+                    run_once(bed, switch, scenario, "profile", rate, args.duration, datapath)
                     continue
                 for scenario in scenarios:
-                    start = args.start_rate or default_start_rate(args.target, scenario.frame_bytes)
-                    runs = search(bed, switch, scenario, args.duration, start)
+                    start = args.start_rate or default_start_rate(kind, scenario.frame_bytes, datapath)
+                    runs = search(bed, switch, scenario, args.duration, start, datapath=datapath)
                     every_run += runs
                     results += summarize(runs)
-                    print_table(summarize(runs), header=scenario is scenarios[0])
+                    print_table(summarize(runs), header=first)
+                    first = False
             finally:
                 switch.stop(timeout=10)
         if profile_path is not None and profile_path.exists():
@@ -451,13 +560,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             profile_path = saved
     print()
     print_table(results)
+    print("(* the generator fell short of the rate asked for: the figure is its limit, not the switch's)")
+    versus = ratios(results)
+    for row in versus:
+        print(f"{row['target']} / bmv2, {row['scenario']} {row['frame_bytes']} B: {row['over_bmv2']:.1f}x")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "cpus": os.cpu_count(),
-        "summary": [asdict(r) for r in results],
-        "runs": [asdict(r) for r in every_run],
+        "generator": "sendmmsg" if native.available() else "send",
+        "summary": [{**asdict(r), "cpu_us_per_packet": r.cpu_us_per_packet} for r in results],
+        "over_bmv2": versus,
+        "runs": [{**asdict(r), "cpu_us_per_packet": r.cpu_us_per_packet} for r in every_run],
     }
     args.json.write_text(json.dumps(document, indent=2) + "\n")
     print(f"\nwrote {args.json}")

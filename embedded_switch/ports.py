@@ -404,6 +404,9 @@ class SwitchPorts:
         finally:
             io.close()
             self._collect_kernel_drops()
+            pipeline = self._pipeline
+            flows = pipeline.flow_stats() if isinstance(pipeline, native.NativePipeline) else {}
+            logger.info("native data path: %s; flow cache: %s", io.stats(), flows)
 
     def _collect_kernel_drops(self) -> None:
         for p in self.ports.values():

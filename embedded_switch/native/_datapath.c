@@ -656,6 +656,7 @@ typedef struct {
     PyObject *drops;                        /* DropStats of the I/O layer */
     PyObject *owner;                        /* whose ``_pipeline`` runs the frames (read per port batch) */
     long reason_truncated, reason_no_pipeline, reason_tx_error;
+    unsigned long long polls, rx_calls, rx_frames, tx_calls, tx_frames; /* how well the batching works */
     PyObject *specials; /* list being filled during poll */
     PyObject *errors;
     int ingress_port; /* of the batch being processed */
@@ -680,6 +681,7 @@ static int io_flush_port(PortIO *io, IoPort *p) {
         Py_BEGIN_ALLOW_THREADS
         r = sendmmsg(p->fd, &p->txmsgs[i], (unsigned)(n - i), 0);
         Py_END_ALLOW_THREADS
+        io->tx_calls++;
         if (r < 0) {
             if (errno == EINTR) continue;
             p->tx_errors++; /* the frame at i was refused: counted as TX_ERROR, the rest go on */
@@ -691,11 +693,11 @@ static int io_flush_port(PortIO *io, IoPort *p) {
             p->tx_packets++;
             p->tx_bytes += p->tx[k].len;
         }
+        io->tx_frames += (unsigned long long)r;
         i += r;
     }
     for (int k = 0; k < n; k++) Py_CLEAR(p->tx[k].obj);
     p->ntx = 0;
-    (void)io;
     return 0;
 }
 
@@ -811,6 +813,7 @@ static int io_receive(PortIO *io, IoPort *p, FlowCache *fc, PyObject *pipeline) 
             p->rxmsgs[k].msg_len = 0;
         }
         int r = recvmmsg(p->fd, p->rxmsgs, (unsigned)io->batch, MSG_DONTWAIT | MSG_TRUNC, NULL);
+        io->rx_calls++;
         if (r < 0) {
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
@@ -824,6 +827,7 @@ static int io_receive(PortIO *io, IoPort *p, FlowCache *fc, PyObject *pipeline) 
             return -1;
         }
         if (r == 0) return 0;
+        io->rx_frames += (unsigned long long)r;
         Run run;
         IoSink sink = {{io_compiled, io_python}, io};
         io->ingress_port = p->port;
@@ -986,6 +990,7 @@ static PyObject *PortIO_poll(PortIO *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "i:poll", &timeout_ms)) return NULL;
     struct epoll_event events[MAX_EVENTS];
     int n;
+    self->polls++;
     Py_BEGIN_ALLOW_THREADS
     n = epoll_wait(self->epfd, events, MAX_EVENTS, timeout_ms);
     Py_END_ALLOW_THREADS
@@ -1032,7 +1037,14 @@ static PyObject *PortIO_close(PortIO *self, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
+static PyObject *PortIO_stats(PortIO *self, PyObject *Py_UNUSED(ignored)) {
+    return Py_BuildValue("{sKsKsKsKsK}", "polls", self->polls, "receive_calls", self->rx_calls, "received",
+                         self->rx_frames, "send_calls", self->tx_calls, "sent", self->tx_frames);
+}
+
 static PyMethodDef PortIO_methods[] = {
+    {"stats", (PyCFunction)PortIO_stats, METH_NOARGS,
+     "{'polls', 'receive_calls', 'received', 'send_calls', 'sent'}: system calls and frames so far"},
     {"poll", (PyCFunction)PortIO_poll, METH_VARARGS,
      "poll(timeout_ms) -> (woken, [(egress port, frame, ingress port)], [(port, errno, what)]):\n"
      "wait for frames, run them through owner._pipeline (a NativePipeline, or None: count NO_PIPELINE),\n"

@@ -141,6 +141,18 @@ class P4RuntimeTestClient:
                 return data.packet_count, data.byte_count
         raise LookupError(f"counter {name}[{index}] not returned")
 
+    def read_counters(self, name: str) -> dict[int, tuple[int, int]]:
+        """Every cell of counter ``name`` (one wildcard read): index -> (packets, bytes)."""
+        request = p4runtime_pb2.ReadRequest(device_id=self.device_id)
+        entity = request.entities.add()
+        entity.counter_entry.counter_id = self._counters[name].preamble.id
+        cells: dict[int, tuple[int, int]] = {}
+        for response in self.stub.Read(request, timeout=RPC_TIMEOUT_S):
+            for e in response.entities:
+                data = e.counter_entry.data
+                cells[e.counter_entry.index.index] = (data.packet_count, data.byte_count)
+        return cells
+
     # ---- packet I/O -----------------------------------------------------------------------------------
     def packet_out(self, payload: bytes) -> None:
         request = p4runtime_pb2.StreamMessageRequest()
