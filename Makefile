@@ -109,6 +109,8 @@ bench-scaling: setup
 
 bench-switch: setup
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench-switch: needs root (network namespaces)"; exit 1; fi
+	@# Both data paths of the embedded switch, then BMv2 when simple_switch_grpc is on PATH (p4c compiles its JSON).
+	@if command -v p4c >/dev/null 2>&1; then $(MAKE) --no-print-directory p4; fi
 	$(PY) -m embedded_switch.benchmark $(BENCH_ARGS)
 
 bench-hosts: setup

@@ -17,7 +17,8 @@ records, fingerprints) and :mod:`hosts.ddp_tp` (DDP over a TP model)),
 :mod:`hosts.control_channel` (rank 0 -> shadows, TCP), :mod:`hosts.recovery` (resume
 from the shadows' memory or disk, through :mod:`checkmate.checkpoint`'s state sources),
 :mod:`hosts.random_state` (``hosts.RandomState``: the job's generators as one
-stateful object), :mod:`hosts.metrics` (Prometheus), :mod:`hosts.faults` (seeded
+stateful object), :mod:`hosts.protection` (bounded lag, ``hosts.UnprotectedError``),
+:mod:`hosts.metrics` (Prometheus), :mod:`hosts.faults` (seeded
 loss/duplication/reordering for tests), and two benchmarks: :mod:`hosts.benchmark`
 (ring all-reduce and DDP step vs gloo) and :mod:`hosts.auth_benchmark` (what
 authentication costs per TinyLM iteration).
@@ -29,13 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hosts.ddp import CheckmateAgent, CheckmateConfig, clip_grad_norm_, enable_checkmate  # noqa: F401
+    from hosts.protection import UnprotectedError  # noqa: F401
     from hosts.random_state import RandomState  # noqa: F401
     from hosts.recovery import ResumeError, ResumePoint, resume, settle_buckets  # noqa: F401
 
 _FROM_DDP = ("CheckmateAgent", "CheckmateConfig", "clip_grad_norm_", "enable_checkmate")
 _FROM_RESUME = ("ResumeError", "ResumePoint", "resume", "settle_buckets")
 _FROM_RANDOM_STATE = ("RandomState",)
-__all__ = [*_FROM_DDP, *_FROM_RESUME, *_FROM_RANDOM_STATE]
+_FROM_PROTECTION = ("UnprotectedError",)
+__all__ = [*_FROM_DDP, *_FROM_RESUME, *_FROM_RANDOM_STATE, *_FROM_PROTECTION]
 
 
 def __getattr__(name: str) -> Any:
@@ -52,4 +55,8 @@ def __getattr__(name: str) -> Any:
         from hosts import random_state
 
         return getattr(random_state, name)
+    if name in _FROM_PROTECTION:
+        from hosts import protection
+
+        return getattr(protection, name)
     raise AttributeError(f"module 'hosts' has no attribute {name!r}")

@@ -96,6 +96,7 @@ from hosts.ddp_config import (
 from hosts.ddp_gradients import CheckmateStateError, GradientGuard, clip_grad_norm_
 from hosts.ddp_hook import CommHook
 from hosts.metrics import start_agent_metrics
+from hosts.protection import ProtectionWatch, VerdictBoard
 from hosts.ring_allreduce import RingAllReduce, RingConfig
 from hosts.transport import Addr, Transport, TransportConfig
 
@@ -210,6 +211,20 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
             up = self.channel.wait_connected(config.shadow_connect_timeout)
             logger.info("%d of %d shadows reachable at start", up, len(config.shadow_control))
             self.channel.post_state(lambda: [self._job_start(config.start_iteration)])
+        # Never silently unprotected: rank 0 judges the shadows' certificates, every rank raises a verdict.
+        self._protection: ProtectionWatch | None = None
+        self._posted_through: int | None = None
+        if config.shadow_control:
+            policy = config.protection
+            board = VerdictBoard.default(config.job_id) if policy.unprotected == "raise" else None
+            self._protection = ProtectionWatch(
+                policy,
+                self.rank,
+                config.start_iteration,
+                board,
+                certificate_every=self._fingerprint_every,
+                world_size=config.world_size,
+            )
         self._metrics = (
             start_agent_metrics(self, config.job_id, self.rank, config.metrics_port)
             if self.rank == 0 and config.metrics_port is not None
@@ -269,6 +284,8 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
         out: dict[str, Any] = {"transport": self.transport.stats(), "ring": self.ring.stats()}
         if self.channel is not None:
             out["control"] = self.channel.stats()
+        if self._protection is not None and self.rank == 0:
+            out["protection"] = self._protection.status()
         return out
 
     def close(self, timeout: float = 5.0) -> None:

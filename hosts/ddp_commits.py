@@ -45,6 +45,7 @@ from checkmate.optimizers import describe, non_elementwise_state
 from hosts.control_channel import ControlChannel, ControlConfig
 from hosts.ddp_config import CheckmateConfig, CheckmateConfigError, _file_stamp, read_job_file
 from hosts.ddp_gradients import CheckmateStateError
+from hosts.protection import ProtectionWatch
 from hosts.ring_allreduce import RingAllReduce
 from hosts.transport import Addr
 
@@ -103,6 +104,9 @@ class ShadowMessages:
     _data_position: Any
     _committed_position: Any
     _job_file_stamp: tuple[int, int, int] | None
+    _protection: ProtectionWatch | None
+    _posted_through: int | None
+    """The last iteration whose commit was posted to the shadows."""
     _gradient_scaling: Callable[[], tuple[float | None, list[dict[str, Any]]]]
     """GradientGuard's: this iteration's gradient multiplications."""
 
@@ -188,12 +192,19 @@ class ShadowMessages:
         JobStateError naming a stateful object whose state cannot travel; nothing is
         sent then, and the shadows keep the last certified state.
         """
-        if self.channel is None or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            return
+        if self._protection is not None:  # every rank: a published unprotected verdict raises here
+            self._protection.before_forward(self.iteration)
+        if self.channel is None:
             return
         if self._uncommitted is not None and (self._early is None or self._early[0] != self._uncommitted):
             self._early = (self._uncommitted, self._capture_early())
         self._flush_commit()
         self._seed_new_shadows()
+        if self._protection is not None and self._posted_through is not None:
+            # bounded lag: wait here for the shadows (backpressure) and judge whether they protect the job
+            self._protection.after_commit(self.channel, self._posted_through, self._seed_new_shadows)
 
     def _flush_at_exit(self) -> None:
         """At interpreter exit without :meth:`close`: send the last step's commit (best effort, 5 s)."""
@@ -225,6 +236,7 @@ class ShadowMessages:
         if not state.equals(self._sent_job_state):  # unchanged: absent on the wire
             commit.job_state = self._sent_job_state = state
         self.channel.post(commit)
+        self._posted_through = commit.iteration
         self._seed_new_shadows()
 
     def _seed_new_shadows(self) -> None:

@@ -23,6 +23,7 @@ from checkmate.job import JobSpec
 from checkmate.metrics import parse_metrics_port
 from checkmate.wire import CHECKMATE_UDP_PORT
 from hosts.faults import FaultConfig
+from hosts.protection import ProtectionPolicy
 from hosts.transport import Addr, resolve
 
 logger = logging.getLogger(__name__)
@@ -86,8 +87,17 @@ class CheckmateConfig:
     and shadows, carrying that TP shard of the gradients (docs/checkpoint-format.md)."""
     tp_index: int = 0
     """This rank's TP index: its lane (``RANK % tp_degree``, the ``("dp", "tp")`` mesh order)."""
+    protection: ProtectionPolicy = field(default_factory=ProtectionPolicy)
+    """Bounded lag and what an unprotected job does (``CHECKMATE_MAX_LAG``, ``CHECKMATE_ON_LAG``,
+    ``CHECKMATE_UNPROTECTED``, ``CHECKMATE_CERTIFY_TIMEOUT``; :mod:`hosts.protection`)."""
 
     def __post_init__(self) -> None:
+        if self.protection.on_lag == "wait" and self.protection.max_lag > self.keep_iterations:
+            raise CheckmateConfigError(
+                f"max_lag {self.protection.max_lag} exceeds keep_iterations {self.keep_iterations}: the "
+                "workers keep only that many iterations for the shadows' repairs, so a shadow further "
+                "behind could not be repaired"
+            )
         if self.compress not in COMPRESSION:
             raise CheckmateConfigError(f"compress={self.compress!r}: expected 'bf16', 'fp16' or None")
         if self.fingerprint_every is not None and self.fingerprint_every < 0:
@@ -220,7 +230,23 @@ class CheckmateConfig:
             metrics_port=_metrics_port_env(env),
             tp_degree=tp,
             tp_index=tp_index,
+            protection=_protection_env(env),
         )
+
+
+def _protection_env(env: Mapping[str, str]) -> ProtectionPolicy:
+    """``CHECKMATE_MAX_LAG`` (default 2), ``CHECKMATE_ON_LAG`` (wait|continue), ``CHECKMATE_UNPROTECTED``
+    (raise|log), ``CHECKMATE_CERTIFY_TIMEOUT`` (seconds, default 120)."""
+    default = ProtectionPolicy()
+    try:
+        return ProtectionPolicy(
+            max_lag=_int_env(env, "CHECKMATE_MAX_LAG", default.max_lag),
+            on_lag=env.get("CHECKMATE_ON_LAG") or default.on_lag,
+            unprotected=env.get("CHECKMATE_UNPROTECTED") or default.unprotected,
+            certify_timeout=float(env.get("CHECKMATE_CERTIFY_TIMEOUT") or default.certify_timeout),
+        )
+    except ValueError as exc:
+        raise CheckmateConfigError(f"protection policy (CHECKMATE_MAX_LAG, ...): {exc}") from None
 
 
 def _metrics_port_env(env: Mapping[str, str]) -> int | None:

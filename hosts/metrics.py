@@ -39,6 +39,33 @@ def agent_metrics(agent: _Agent, job_id: int, rank: int) -> list[Metric]:
             "lag_iterations", "Current iteration minus the last certified one", agent.iteration - certified
         )
     stats = agent.stats()
+    protection = stats.get("protection")
+    if isinstance(protection, dict):  # hosts.protection: bounded lag and the unprotected verdict
+        f.gauge(
+            "protected",
+            "1 while the shadows hold a certified state within max_lag",
+            int(protection["protected"]),
+        )
+        f.gauge(
+            "max_lag_iterations",
+            "The lag bound (CHECKMATE_MAX_LAG, or the fingerprint interval)",
+            protection["max_lag"],
+        )
+        f.counter(
+            "unprotected_episodes",
+            "Episodes in which the job was unprotected",
+            protection["unprotected_episodes"],
+        )
+        f.counter(
+            "backpressure_waits",
+            "Forward passes rank 0 waited at for the shadows",
+            protection["backpressure_waits"],
+        )
+        f.counter(
+            "backpressure_seconds",
+            "Seconds rank 0 waited for the shadows (backpressure)",
+            protection["backpressure_seconds"],
+        )
     transport = {k: v for k, v in stats.get("transport", {}).items() if isinstance(v, (int, float))}
     f.labelled_counter(
         "transport_drops",

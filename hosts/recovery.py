@@ -14,10 +14,17 @@ Rank 0 asks, in this order,
 2. when no shadow answers (or none holds state), the newest *complete*
    universal checkpoint in the shadows' snapshot directory
    (:class:`checkmate.checkpoint.source.SnapshotDirectory`; ``snapshot_dir`` or
-   ``CHECKMATE_SNAPSHOT_DIR``, a directory this rank can read): how many
-   iterations that loses, as far as the shadows' status files tell, is logged
-   and returned (:attr:`ResumePoint.lost_iterations`);
+   ``CHECKMATE_SNAPSHOT_DIR``, a directory this rank can read). A newest complete
+   checkpoint that fails verification (a checksum, a truncated file) raises
+   :class:`ResumeError` naming the damaged file: starting over needs ``start_over=True``;
 3. when neither holds a state, nothing: the job starts at iteration 0.
+
+:attr:`ResumePoint.lost_iterations` is measured at the restore, from the shadows' live
+answers (never from their periodic status files): the newest iteration the shadows saw
+the workers finish (its commit record, or the next iteration's gradients) minus the
+restored one. The iteration in progress at the failure is redone as well, so a job
+killed in iteration ``k`` redoes ``lost_iterations + 1`` iterations. None when no shadow
+could say (every shadow lost too: a disk restore's loss is then unknown).
 
 Both are state sources (:class:`checkmate.checkpoint.source.StateSource`), asked
 in that order; the state is loaded by the checkpoint package's one loader
@@ -52,6 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from checkmate import checkpoint as fmt
 from checkmate.checkpoint import load as checkpoint_load
 from checkmate.checkpoint.format import CheckpointError
 from checkmate.checkpoint.shadow_memory import ShadowMemory
@@ -64,6 +72,7 @@ from checkmate.checkpoint.source import (
     SourceError,
     StateSource,
 )
+from checkmate.control import ShadowStatusError, query_status
 from checkmate.job_state import persistent_buffers
 from checkmate.network import Addr
 
@@ -89,7 +98,10 @@ class ResumePoint:
     source: str = SOURCE_NONE
     detail: str = ""
     lost_iterations: int | None = 0
-    """Iterations the shadows had applied that the restored state lacks (disk restores; None: unknown)."""
+    """Iterations the workers had finished that the restored state lacks, measured at the restore from
+    the shadows' answers (the module docstring says how); None: unknown (no shadow could tell)."""
+    workers_finished: int | None = None
+    """The newest iteration the shadows saw the workers finish (None: unknown, or nothing restored)."""
 
     @property
     def restored(self) -> bool:
@@ -129,9 +141,17 @@ def from_snapshots(directory: Path) -> RestoredState:
 
 
 def restore_latest(
-    shadows: Mapping[str, Addr], snapshot_dir: Path | None, timeout: float = 20.0, job_id: int = 0
+    shadows: Mapping[str, Addr],
+    snapshot_dir: Path | None,
+    timeout: float = 20.0,
+    job_id: int = 0,
+    start_over: bool = False,
 ) -> RestoredState | None:
-    """Shadow memory first, then the snapshot directory; None when neither holds a state."""
+    """Shadow memory first, then the snapshot directory; None when neither holds a state.
+
+    ResumeError naming the damaged file when the newest complete checkpoint fails verification
+    (unless ``start_over``: then None, with an error logged).
+    """
     sources: list[StateSource] = [ShadowMemory(shadows, job_id)]
     if snapshot_dir is not None:
         sources.append(SnapshotDirectory(snapshot_dir))
@@ -142,18 +162,50 @@ def restore_latest(
         except SourceError as exc:
             reasons.append(str(exc))
             if source.kind == SOURCE_SHADOW_MEMORY:
-                logger.warning("restore from shadow memory failed (%s); trying the snapshots on disk", exc)
+                logger.info("no state from the shadows' memory (%s); trying the snapshots on disk", exc)
+            elif snapshot_dir is not None and (steps := fmt.complete_steps(snapshot_dir)):
+                damaged = (
+                    f"the newest complete checkpoint in {snapshot_dir} (step {steps[-1]}) fails "
+                    f"verification and no shadow holds a state: {exc}"
+                )
+                if not start_over:
+                    raise ResumeError(
+                        f"{damaged}. Nothing was restored. Check it with `checkmate-ckpt verify "
+                        f"{snapshot_dir}`, move the damaged step aside to resume from an older one, or pass "
+                        "start_over=True to hosts.resume to start from iteration 0"
+                    ) from None
+                logger.error("%s; starting from iteration 0 as asked (start_over=True)", damaged)
+                return None
             continue
         if state.source == SOURCE_SNAPSHOT:
-            logger.warning(
-                "restored step %d from disk (%s): %s iterations the shadows had applied are lost",
-                state.iteration,
-                state.detail,
-                "an unknown number of" if state.lost_iterations is None else state.lost_iterations,
-            )
+            logger.warning("restored step %d from disk (%s)", state.iteration, state.detail)
         return state
-    logger.warning("no certified state anywhere (%s): starting from iteration 0", "; ".join(reasons))
+    # A fresh start (the shadows hold nothing yet, no snapshots): nothing to warn about.
+    logger.info("no state to restore (%s): starting from iteration 0", "; ".join(reasons))
     return None
+
+
+def workers_finished(shadows: Mapping[str, Addr], timeout: float, job_id: int = 0) -> int | None:
+    """The newest iteration any shadow saw the workers finish, from their live status (None: none said).
+
+    A shadow has seen iteration t finished when it holds t's commit record (sent after t's
+    optimizer step) or copies of t + 1's reduced gradients (t + 1's all-reduce starts after
+    t's step): ``max(latest_commit, latest_seen_iteration - 1)``.
+    """
+    seen: list[int] = []
+    for name, address in shadows.items():
+        try:
+            status = query_status(address, timeout, job_id)
+        except (ShadowStatusError, OSError) as exc:
+            logger.debug("shadow %s: no status (%s)", name, exc)
+            continue
+        if status.get("job_id") not in (None, job_id) and job_id:
+            continue
+        commit, latest = status.get("latest_commit"), status.get("latest_seen_iteration")
+        values = [v for v in (commit, None if latest is None else latest - 1) if isinstance(v, int)]
+        if values and max(values) >= 0:
+            seen.append(max(values))
+    return max(seen) if seen else None
 
 
 def fetch_iteration(
@@ -193,41 +245,48 @@ def resume(
     timeout: float = 20.0,
     shadows: Mapping[str, Addr] | None = None,
     job_id: int | None = None,
+    start_over: bool = False,
 ) -> ResumePoint:
     """Restore the job's latest certified state into ``model``, ``optimizer`` and ``stateful``.
 
     Collective when a default process group exists: every rank calls it; rank 0
     fetches (shadow memory, then ``snapshot_dir`` / ``CHECKMATE_SNAPSHOT_DIR``) and
     every rank loads the same state. ``shadows`` and ``job_id`` default to the
-    job's configuration (``CheckmateConfig.from_env``). Returns where to continue
-    (iteration 0 and no data position when nothing was restored). Raises
-    ResumeError when a state was found but does not fit the job.
+    job's configuration (``CheckmateConfig.from_env``; ``job_id`` defaults to 1, as
+    there, when ``shadows`` are given without a process group). Returns where to
+    continue (iteration 0 and no data position when nothing was restored). Raises
+    ResumeError, on every rank, when a state was found but does not fit the job, or
+    when the newest complete checkpoint on disk is damaged and no shadow holds a state
+    (``start_over=True``: start from iteration 0 then, with an error logged).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     box: list[Any] = [None]
     if rank == 0:
-        if shadows is None or job_id is None:
-            from hosts.ddp import CheckmateConfig
-
-            config = CheckmateConfig.from_env()
-            shadows = dict(config.shadow_control) if shadows is None else shadows
-            job_id = config.job_id if job_id is None else job_id
-        directory = snapshot_dir if snapshot_dir is not None else os.environ.get(SNAPSHOT_DIR_ENV) or None
-        box[0] = restore_latest(
-            shadows, Path(directory) if directory else None, timeout=timeout, job_id=job_id
-        )
+        try:
+            box[0] = _fetch(shadows, job_id, snapshot_dir, timeout, start_over)
+        except ResumeError as exc:
+            box[0] = exc  # every rank raises it, not only rank 0 (the others wait in the broadcast)
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
-    state: RestoredState | None = box[0]
-    if state is None:
+    if isinstance(box[0], ResumeError):
+        raise ResumeError(str(box[0]))
+    if box[0] is None:
         return ResumePoint(iteration=0)
+    state: RestoredState = box[0][0]
+    finished: int | None = box[0][1]
     load_state(model, optimizer, state, stateful)
-    logger.info(
-        "resumed after iteration %d from %s (%s)%s",
+    lost = None if finished is None else max(0, finished - state.iteration)
+    logger.log(
+        logging.WARNING if lost else logging.INFO,
+        "resumed after iteration %d from %s (%s): %s",
         state.iteration,
         state.source,
         state.detail,
-        f"; {state.lost_iterations} iterations lost" if state.lost_iterations else "",
+        "the shadows saw no later iteration finish"
+        if lost == 0
+        else f"{lost} finished iteration(s) lost (the workers finished {finished})"
+        if lost is not None
+        else "how many finished iterations are lost is unknown (no shadow could tell)",
     )
     return ResumePoint(
         iteration=state.next_iteration,
@@ -235,8 +294,43 @@ def resume(
         data_position=state.data_position,
         source=state.source,
         detail=state.detail,
-        lost_iterations=state.lost_iterations,
+        lost_iterations=lost,
+        workers_finished=finished,
     )
+
+
+def _fetch(
+    shadows: Mapping[str, Addr] | None,
+    job_id: int | None,
+    snapshot_dir: str | Path | None,
+    timeout: float,
+    start_over: bool,
+) -> tuple[RestoredState, int | None] | None:
+    """Rank 0: the state to load and the newest iteration the shadows saw the workers finish."""
+    if shadows is None:
+        from hosts.ddp import CheckmateConfig
+
+        config = CheckmateConfig.from_env()
+        shadows = dict(config.shadow_control)
+        job_id = config.job_id if job_id is None else job_id
+    elif job_id is None:
+        job_id = _job_id_env()
+    directory = snapshot_dir if snapshot_dir is not None else os.environ.get(SNAPSHOT_DIR_ENV) or None
+    state = restore_latest(
+        shadows, Path(directory) if directory else None, timeout=timeout, job_id=job_id, start_over=start_over
+    )
+    if state is None:
+        return None
+    return state, workers_finished(shadows, min(timeout, 5.0), job_id)
+
+
+def _job_id_env() -> int:
+    """``CHECKMATE_JOB_ID`` (default 1, as :meth:`CheckmateConfig.from_env`), without needing a rank."""
+    text = os.environ.get("CHECKMATE_JOB_ID") or "1"
+    try:
+        return int(text)
+    except ValueError:
+        raise ResumeError(f"CHECKMATE_JOB_ID={text!r} is not an integer") from None
 
 
 def settle_buckets(ddp_model: nn.parallel.DistributedDataParallel, loss: Callable[[], torch.Tensor]) -> None:

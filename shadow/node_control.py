@@ -320,6 +320,11 @@ class ControlServer(NodeState):
             logger.error("shadow %s: cannot join job %d: %s", self.name, job.job_id, exc)
             with self._lock:
                 self._blocked = f"cannot join: {exc}"
+            try:  # rank 0 is told why (hosts.protection: the job is unprotected, loudly)
+                with self._control_send:
+                    send_message(conn, Goodbye(job.job_id, f"refused: cannot join: {exc}"), timeout=1.0)
+            except OSError:
+                pass
             return True
         with self._lock:
             if self._pending_start is not start or self._job is not job:

@@ -35,7 +35,7 @@ import torch
 from checkmate import checkpoint as fmt
 from checkmate.checkpoint.shadow_memory import fetch_state
 from checkmate.wire import CHECKMATE_UDP_PORT
-from hosts.recovery import from_snapshots
+from hosts.recovery import from_snapshots, workers_finished
 from shadow.node import ShadowConfig, ShadowNode
 from shadow.snapshots import SnapshotPolicy
 
@@ -231,6 +231,10 @@ def run_case(
         finally:
             job.kill()
         assert all(n.applied_iteration == kill_at - 1 for n in nodes), [n.status() for n in nodes]
+        # the loss a restore reports is measured from the shadows' live answers: killed after
+        # kill_at's forward pass, the workers had finished kill_at - 1, which the shadows hold
+        finished = workers_finished({n.name: n.control_address for n in nodes}, 10.0, JOB_ID)
+        assert finished == kill_at - 1, finished
         env = None
         resume_at = kill_at
         if from_disk:

@@ -13,7 +13,7 @@ from checkmate import checkpoint as fmt
 from checkmate.checkpoint.digest import optimizer_digest, parameters_digest
 from checkmate.checkpoint.source import SOURCE_SNAPSHOT
 from checkmate.tiny_lm import ModelConfig, TinyLM, batch_for, load_corpus, loss_of
-from hosts.recovery import ResumeError, load_state, optimizer_states_by_name, restore_latest
+from hosts.recovery import ResumeError, load_state, optimizer_states_by_name, restore_latest, resume
 
 CONFIG = ModelConfig(context=16, width=16, heads=2, layers=1)
 
@@ -91,3 +91,41 @@ def test_a_state_of_another_model_is_refused(tmp_path: Path) -> None:
     state.parameters["head.weight"] = torch.zeros(3, 3)
     with pytest.raises(ResumeError, match="head.weight: state shape"):
         load_state(*_model_and_optimizer(0), state)
+
+
+def test_a_damaged_newest_checkpoint_is_an_error_naming_the_file_unless_starting_over(tmp_path: Path) -> None:
+    model, optimizer = _model_and_optimizer(0)
+    _write_snapshot(tmp_path, 1, model, optimizer)
+    _write_snapshot(tmp_path, 2, model, optimizer)
+    damaged = fmt.step_dir(tmp_path, 2) / "shard-001-of-002.safetensors"
+    raw = bytearray(damaged.read_bytes())
+    raw[-5] ^= 0xFF
+    damaged.write_bytes(bytes(raw))
+    with pytest.raises(ResumeError, match=r"step 2\) fails verification") as caught:
+        restore_latest({"sh1": _closed_port()}, tmp_path, timeout=2.0)
+    assert str(damaged) in str(caught.value) and "start_over=True" in str(caught.value)
+    # every rank's hosts.resume raises it (no process group here: this rank is rank 0)
+    with pytest.raises(ResumeError, match="fails verification"):
+        resume(model, optimizer, shadows={"sh1": _closed_port()}, snapshot_dir=tmp_path, timeout=2.0)
+    assert restore_latest({"sh1": _closed_port()}, tmp_path, timeout=2.0, start_over=True) is None
+    point = resume(model, optimizer, shadows={}, snapshot_dir=tmp_path, start_over=True)
+    assert point.iteration == 0 and not point.restored
+
+
+def test_resume_with_shadows_needs_no_process_group_and_measures_no_loss_it_cannot_see(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hosts.resume(shadows=...)`` outside a process group (no RANK, no job_id): the job id is
+    CHECKMATE_JOB_ID's or 1; with every shadow gone the loss of a disk restore is unknown (None),
+    never a figure from the shadows' periodic status files."""
+    for name in ("RANK", "WORLD_SIZE", "CHECKMATE_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    model, optimizer = _model_and_optimizer(0)
+    _write_snapshot(tmp_path, 2, model, optimizer)
+    (tmp_path / "status-sh1.json").write_text('{"shadow": "sh1", "applied_iteration": 9}')
+    fresh, fresh_optimizer = _model_and_optimizer(1)
+    point = resume(
+        fresh, fresh_optimizer, shadows={"sh1": _closed_port()}, snapshot_dir=tmp_path, timeout=2.0
+    )
+    assert point.restored and point.iteration == 3
+    assert point.lost_iterations is None and point.workers_finished is None

@@ -100,8 +100,14 @@ def run_pressure(
     horizon: int = 8,
     stash_bytes: int = 256 << 20,
     catch_up_s: float = 90.0,
+    on_lag: str = "continue",
 ) -> dict[str, Any]:
-    """Run the experiment; the figures as a JSON-able dict (``equal`` says whether states matched)."""
+    """Run the experiment; the figures as a JSON-able dict (``equal`` says whether states matched).
+
+    ``on_lag``: the job's lag policy (``CHECKMATE_ON_LAG``). ``"continue"`` (the workers never
+    wait; the lag is logged once per episode) shows what a slow shadow does on its own;
+    ``"wait"`` (the default of a job) holds rank 0 within ``CHECKMATE_MAX_LAG`` of it.
+    """
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="pressure-"))
     original = ShadowOptimizer.apply
@@ -148,7 +154,12 @@ def run_pressure(
             time.sleep(0.02)
 
     shadows = ",".join(f"{n.name}={n.control_address[0]}:{n.control_address[1]}" for n in nodes)
-    env = {"CHECKMATE_JOB_ID": str(JOB_ID), "CHECKMATE_SHADOWS": shadows}
+    env = {
+        "CHECKMATE_JOB_ID": str(JOB_ID),
+        "CHECKMATE_SHADOWS": shadows,
+        "CHECKMATE_ON_LAG": on_lag,
+        "CHECKMATE_UNPROTECTED": "log" if on_lag == "continue" else "raise",
+    }
     copies = {i: n.data_address for i, n in enumerate(nodes)}
     thread = threading.Thread(target=sampler, daemon=True)
     ShadowOptimizer.apply = slow_apply  # type: ignore[method-assign]
