@@ -37,6 +37,7 @@ from checkmate.control import (
     dtype_name,
     validate_data_position,
 )
+from checkmate.fingerprint import cache_for as checksum_cache_for
 from checkmate.fingerprint import fingerprint as state_fingerprint
 from checkmate.job_state import JobState
 from checkmate.job_state import capture as capture_job_state
@@ -231,7 +232,9 @@ class ShadowMessages:
         if commit is None or self.channel is None:
             return
         if final and commit.fingerprint is None and self._fingerprint_every > 0:
-            commit.fingerprint = state_fingerprint(self.model.module.named_parameters(), self.optimizer.state)
+            commit.fingerprint = state_fingerprint(
+                self.model.module.named_parameters(), self.optimizer.state, checksum_cache_for(self.optimizer)
+            )
         state = self._job_state_before(commit.iteration + 1)
         if not state.equals(self._sent_job_state):  # unchanged: absent on the wire
             commit.job_state = self._sent_job_state = state
@@ -409,7 +412,7 @@ class ShadowMessages:
         if self.channel is None or every <= 0 or (iteration + 1) % every:
             return None
         named = self.model.module.named_parameters()
-        return state_fingerprint(named, self.optimizer.state)
+        return state_fingerprint(named, self.optimizer.state, checksum_cache_for(self.optimizer))
 
     @property
     def divergences(self) -> list[dict[str, Any]]:

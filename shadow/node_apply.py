@@ -16,6 +16,7 @@ from typing import Any
 
 from checkmate import checkpoint as fmt
 from checkmate.control import Certified, Diverged, torch_dtype
+from checkmate.fingerprint import cache_for as checksum_cache_for
 from checkmate.fingerprint import fingerprint as state_fingerprint
 from checkmate.fingerprint import mismatches as fingerprint_mismatches
 from shadow.node_state import Epoch, Job, NodeState
@@ -55,7 +56,9 @@ class Applier(NodeState):
                 differs = None
                 if entry.fingerprint is not None:
                     mine = state_fingerprint(
-                        epoch.optimizer.parameters.items(), epoch.optimizer.optimizer.state
+                        epoch.optimizer.parameters.items(),
+                        epoch.optimizer.optimizer.state,
+                        checksum_cache_for(epoch.optimizer),
                     )
                     differs = fingerprint_mismatches(entry.fingerprint, mine)
                 self._applied = pending.iteration

@@ -54,3 +54,27 @@ def test_checksums_of_many_tensors_at_once_equal_each_one_alone() -> None:
     changed[0][4] = torch.nextafter(changed[0][4:5], torch.tensor([10.0]))[0]
     after = checksums(changed)
     assert after[0] != alone[0] and after[1:] == alone[1:]
+
+
+def test_checksum_cache_equals_the_reference_as_tensors_change_move_and_go() -> None:
+    from checkmate.fingerprint import ChecksumCache, cache_for, checksums
+
+    cache = ChecksumCache()
+    tensors = [
+        torch.randn(1000),
+        torch.randn(7).to(torch.bfloat16),  # a partial last word
+        torch.zeros(3, dtype=torch.uint8),
+        torch.randn(4, 4).t(),  # not contiguous: not cached, still right
+        torch.tensor(2.5),  # 0-d
+    ]
+    assert cache.checksums(tensors) == checksums(tensors)
+    tensors[0].add_(1.0)  # changed in place: the cached view sees it
+    tensors[1][3] = 7.0
+    assert cache.checksums(tensors) == checksums(tensors)
+    tensors[0].data = torch.randn(999)  # new memory under the same tensor object
+    assert cache.checksums(tensors) == checksums(tensors)
+    tensors[2] = torch.ones(5, dtype=torch.uint8)  # another tensor in that place
+    assert cache.checksums(tensors) == checksums(tensors)
+    assert cache.checksums(tensors[:2]) == checksums(tensors[:2])  # the others are forgotten
+    owner = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert cache_for(owner) is cache_for(owner)
