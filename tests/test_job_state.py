@@ -205,3 +205,15 @@ def test_checkmate_ckpt_inspect_names_the_job_state(
     assert main(["inspect", str(tmp_path)]) == 0
     buffers = "['1.num_batches_tracked', '1.running_mean', '1.running_var']"
     assert f"job state: buffers {buffers}  stateful ['scheduler']" in capsys.readouterr().out
+
+
+def test_persistent_buffers_follow_the_module_and_skip_non_persistent_ones() -> None:
+    from checkmate.job_state import persistent_buffers
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    model.register_buffer("cache", torch.zeros(3), persistent=False)
+    assert sorted(persistent_buffers(model)) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    assert persistent_buffers(model) is not persistent_buffers(model)  # a fresh dict each time
+    model.register_buffer("seen", torch.zeros(1))  # the buffers changed: asked again
+    assert "seen" in persistent_buffers(model) and "cache" not in persistent_buffers(model)
+    assert persistent_buffers(torch.nn.Linear(2, 2)) == {}
