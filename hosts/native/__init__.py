@@ -35,6 +35,19 @@ def load() -> ModuleType | None:
                     exc,
                 )
         return None
+    from checkmate.wire import HEADER_BYTES, MAX_PAYLOAD_BYTES
+
+    if (_datapath.HEADER_BYTES, _datapath.MAX_PAYLOAD_BYTES) != (HEADER_BYTES, MAX_PAYLOAD_BYTES):
+        with _lock:
+            if not _warned:
+                _warned = True
+                logger.warning(
+                    "the native data path was built for %d-byte payloads, checkmate.wire says %d; the "
+                    "host transport uses its Python data path until it is rebuilt",
+                    _datapath.MAX_PAYLOAD_BYTES,
+                    MAX_PAYLOAD_BYTES,
+                )
+        return None
     return _datapath
 
 

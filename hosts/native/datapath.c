@@ -56,7 +56,7 @@
 #endif
 
 #define HDR 32
-#define MAX_PAYLOAD 8948
+#define MAX_PAYLOAD 8940 /* checkmate.wire.MAX_PAYLOAD_BYTES: a 9000-byte jumbo frame less IPv4, UDP and our header */
 #define TAG_BYTES 16
 #define MAX_RANGES 128
 #define T_DATA 1
@@ -1980,7 +1980,7 @@ static PyObject *Engine_send(Engine *e, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OIy*y*", &addr_obj, &job_id, &hdr, &payload)) return NULL;
     struct sockaddr_in addr;
     if (parse_addr(addr_obj, &addr) < 0 || hdr.len != HDR || payload.len > MAX_PAYLOAD) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a 32-byte header and at most 8948 bytes");
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a 32-byte header and at most 8940 bytes");
         PyBuffer_Release(&hdr);
         PyBuffer_Release(&payload);
         return NULL;
