@@ -18,7 +18,10 @@ control-channel MAC can never be replayed as a datagram MAC:
 * transport control datagrams (ACK, NACK, REPAIR_REQUEST, REPAIR_DATA):
   :class:`DatagramAuth` here (key ``transport/<job id>``), a 16-byte tag after the
   payload over the whole datagram. Gradient DATA datagrams carry no tag
-  (docs/security.md says why and what protects them instead).
+  (docs/security.md says why and what protects them instead);
+* the fully reduced gradient: :class:`GradientDigests` (key ``gradient/<job id>``), one
+  Poly1305 tag per bucket and iteration in rank 0's authenticated commit, which a shadow
+  checks before it applies the copies it assembled.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ import json
 import os
 import secrets
 import stat
+import struct
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 SECRET_ENV: Final = "CHECKMATE_JOB_SECRET"
 SECRET_FILE_ENV: Final = "CHECKMATE_JOB_SECRET_FILE"
@@ -216,3 +220,63 @@ class DatagramKeys:
         if not needs_tag(datagram):
             return datagram
         return self.for_job(datagram_job(datagram)).open(datagram)
+
+
+class GradientDigests:
+    """Poly1305 tags of fully reduced gradient buckets: made by rank 0, checked by the shadows.
+
+    Each tag is Poly1305 under a one-time key, HMAC-SHA256(job key, run | counter)[:32]:
+    ``run`` (16 random bytes per agent) and ``counter`` (per tag, never repeated) make every
+    key unique, as Poly1305 requires; both travel with the tag in the commit, whose frame MAC
+    covers them. Without the job secret nobody can make a tag, so copies injected from outside
+    the job (a spoofed worker address, issue 29) are detected before they are applied,
+    whatever ``CHECKMATE_FINGERPRINT_EVERY`` is. Poly1305 over the bucket's wire bytes is the
+    cheapest MAC at hand (docs/security.md has the measured cost).
+    """
+
+    def __init__(self, secret: bytes, job_id: int) -> None:
+        self._key = derive_key(secret, "gradient", job_id)
+        self.run = os.urandom(16)
+        self._counter = 0
+        self._tags: dict[int, dict[str, list[Any]]] = {}
+        self._lock = threading.Lock()
+
+    def _one_time_key(self, run: bytes, counter: int) -> bytes:
+        return hmac.digest(self._key, run + struct.pack("!Q", counter), "sha256")
+
+    @staticmethod
+    def _mac(key: bytes, data: Buffer) -> bytes:
+        from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+        return Poly1305.generate_tag(key, data)
+
+    def record(self, iteration: int, bucket: int, data: Buffer) -> None:
+        """Tag ``data`` (the bucket's reduced bytes, as the shadows will assemble them)."""
+        with self._lock:
+            counter = self._counter
+            self._counter += 1
+        tag = self._mac(self._one_time_key(self.run, counter), data)
+        with self._lock:
+            self._tags.setdefault(iteration, {})[str(bucket)] = [counter, tag.hex()]
+            for old in [i for i in self._tags if i < iteration - 64]:  # iterations never committed
+                del self._tags[old]
+
+    def take(self, iteration: int) -> dict[str, Any] | None:
+        """The commit field for ``iteration`` (None if no bucket was tagged)."""
+        with self._lock:
+            tags = self._tags.pop(iteration, None)
+        return {"run": self.run.hex(), "buckets": tags} if tags else None
+
+    def check(self, digests: Mapping[str, Any], bucket: int, data: Buffer) -> str | None:
+        """Why ``data`` is not bucket ``bucket`` as rank 0 tagged it, or None if it is."""
+        try:
+            run = bytes.fromhex(digests["run"])
+            entry = digests["buckets"].get(str(bucket))
+            if entry is None:
+                return "rank 0 sent no tag for it"
+            counter, tag = int(entry[0]), bytes.fromhex(entry[1])
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+            return "the commit's gradient tags are malformed"
+        if not hmac.compare_digest(self._mac(self._one_time_key(run, counter), data), tag):
+            return "its data is not what the workers reduced (injected or altered copies)"
+        return None

@@ -219,6 +219,10 @@ class Commit:
     """Rank 0's state after this step, per parameter name: ``{"param": checksum, <optimizer
     state key>: checksum}`` (:mod:`checkmate.fingerprint`); sent every K iterations
     (``CHECKMATE_FINGERPRINT_EVERY``). Absent: not checked this iteration."""
+    gradient_digests: dict[str, Any] | None = None
+    """Rank 0's MAC of each fully reduced bucket as it crossed the wire (:class:`checkmate.auth.
+    GradientDigests`): ``{"run": hex, "buckets": {"<bucket id>": [counter, tag hex]}}``. A shadow
+    applies a bucket only if its copies carry the same tag. Absent: an older rank 0 (not checked)."""
 
 
 @dataclass
@@ -238,7 +242,12 @@ class Diverged:
     """``name::state`` of the tensors that differ (at most 20 listed)."""
 
 
-_COMMIT_OPTIONAL: dict[str, Any] = {"no_grad": [], "gradient_scaling": [], "fingerprint": None}
+_COMMIT_OPTIONAL: dict[str, Any] = {
+    "no_grad": [],
+    "gradient_scaling": [],
+    "fingerprint": None,
+    "gradient_digests": None,
+}
 """Commit fields left off the wire at their default (frames stay small; older readers unaffected)."""
 
 

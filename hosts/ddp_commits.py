@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from checkmate.auth import GradientDigests
 from checkmate.control import (
     BucketLayout,
     BucketSpec,
@@ -108,6 +109,8 @@ class ShadowMessages:
     _protection: ProtectionWatch | None
     _posted_through: int | None
     """The last iteration whose commit was posted to the shadows."""
+    _gradient_digests: GradientDigests | None
+    """CommHook's: the reduced buckets' tags (rank 0 with shadows)."""
     _gradient_scaling: Callable[[], tuple[float | None, list[dict[str, Any]]]]
     """GradientGuard's: this iteration's gradient multiplications."""
 
@@ -399,6 +402,7 @@ class ShadowMessages:
             no_grad=[] if skipped else no_grad,
             gradient_scaling=[] if skipped else scaling,
             fingerprint=self._fingerprint(iteration),
+            gradient_digests=self._gradient_digests.take(iteration) if self._gradient_digests else None,
         )
         self.commits.append(commit)
         if self.channel is not None:

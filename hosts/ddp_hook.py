@@ -25,7 +25,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from checkmate.auth import GradientDigests, secret_from_env
 from checkmate.control import BucketLayout, BucketSpec, JobStart, ParamSlice, dtype_name
+from checkmate.tensors import tensor_payload
 from hosts.control_channel import ControlChannel
 from hosts.ddp_config import COMPRESSION, CheckmateConfig, CheckmateConfigError
 from hosts.random_state import RandomState, RandomStateError, check_same_on_every_rank
@@ -104,9 +106,20 @@ class CommHook:
             self.iteration,
         )
 
+    _gradient_digests: GradientDigests | None = None
+    """Rank 0 (with shadows): tags of each reduced bucket for the commit (checkmate.auth)."""
+
+    def _digests(self) -> GradientDigests | None:
+        if self.channel is None:
+            return None
+        if self._gradient_digests is None:
+            self._gradient_digests = GradientDigests(secret_from_env(), self.config.job_id)
+        return self._gradient_digests
+
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         index = bucket.index()
+        iteration, digests = self.iteration, self._digests()
         wire = COMPRESSION[self.config.compress]
         reduced = buffer.to(wire) if wire is not None and buffer.dtype is torch.float32 else buffer
         if not self._bucket_layout and self._uncommitted is not None:
@@ -133,6 +146,8 @@ class CommHook:
 
         def result(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
             value = fut.value()  # raises the CollectiveError / PeerTimeoutError of a failed ring
+            if digests is not None:  # what the shadows' copies must add up to (docs/security.md)
+                digests.record(iteration, index, tensor_payload(value.contiguous()))
             if reduced is not buffer:  # compressed: widened exactly as the shadows widen it
                 return buffer.copy_(value.to(device))
             return value if device.type == "cpu" else value.to(device)  # CUDA: back from host memory

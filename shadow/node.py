@@ -56,6 +56,7 @@ from checkmate.auth import DatagramKeys, secret_from_env
 from checkmate.control import Goodbye, send_message
 from checkmate.control_frame import ControlAuth
 from checkmate.sockets import grow_buffer
+from shadow.gradient_check import GradientCheck
 from shadow.node_apply import Applier
 from shadow.node_control import ControlServer
 from shadow.node_maintenance import Maintenance
@@ -79,6 +80,7 @@ class ShadowNode(Receiver, ControlServer, Applier, StateService, Maintenance):
         secret = config.secret if config.secret is not None else secret_from_env()
         self._control_auth = ControlAuth(secret)
         self._datagram_keys = DatagramKeys(secret)
+        self._gradient_check = GradientCheck(secret)
         self._lock = threading.Condition(threading.RLock())
         self._state_lock = threading.Lock()
         self._stop = threading.Event()

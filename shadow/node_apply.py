@@ -48,6 +48,22 @@ class Applier(NodeState):
                 entry = self._commits[pending.iteration]
                 gradients = epoch.window.gradients(pending)
             assert pending.step is not None
+            forged = self._gradient_check.forged(self._job_id(), entry.gradient_digests, pending)
+            if forged:  # never applied: copies from outside the job (docs/security.md)
+                with self._lock:
+                    if self._epoch is epoch:
+                        epoch.window.pending.pop(pending.iteration, None)
+                    self._drop("forged_gradient")
+                    conn = self._control_conn
+                logger.warning(
+                    "shadow %s: iteration %d NOT applied: bucket %d: %s; asking rank 0 for fresh state",
+                    self.name,
+                    pending.iteration,
+                    *forged[0],
+                )
+                if conn is not None:
+                    self._request_state(conn, f"forged gradient copies in iteration {pending.iteration}")
+                continue
             started = time.perf_counter()
             with self._state_lock:
                 if self._epoch is not epoch:

@@ -475,6 +475,7 @@ class ControlServer(NodeState):
                 position,
                 job_state=message.job_state,
                 fingerprint=message.fingerprint,
+                gradient_digests=message.gradient_digests,
             )
             self._latest_commit = max(self._latest_commit, message.iteration)
             epoch = self._epoch

@@ -21,6 +21,7 @@ from checkmate.job import JobSpec
 from checkmate.job_state import JobState
 from checkmate.network import Addr
 from checkmate.wire import CHECKMATE_UDP_PORT
+from shadow.gradient_check import GradientCheck
 from shadow.iteration_window import IterationWindow
 from shadow.optimizer_apply import ShadowOptimizer, StepRecord
 from shadow.repair import RepairPolicy, RepairTracker
@@ -111,6 +112,8 @@ class CommitEntry(NamedTuple):
     """The job state after the iteration (buffers, stateful objects, ...); None: unchanged."""
     fingerprint: dict[str, dict[str, Any]] | None = None
     """Rank 0's fingerprint of its state after the iteration (None: not checked this iteration)."""
+    gradient_digests: dict[str, Any] | None = None
+    """Rank 0's tags of the reduced buckets (shadow.gradient_check; None: an older rank 0)."""
 
 
 @dataclass
@@ -155,6 +158,7 @@ class NodeState:
     control_address: Addr
     _control_auth: ControlAuth
     _datagram_keys: DatagramKeys
+    _gradient_check: GradientCheck
     _lock: threading.Condition
     """Guards job, epoch, stash, commits, repairs, certification; notified on any progress."""
     _state_lock: threading.Lock
