@@ -163,7 +163,12 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
         workers = self._rendezvous(config)
         self.workers = workers
         self.transport = Transport(
-            TransportConfig(bind=config.bind, peer_timeout=config.peer_timeout, faults=config.faults)
+            TransportConfig(
+                bind=config.bind,
+                peer_timeout=config.peer_timeout,
+                faults=config.faults,
+                datapath=config.datapath,
+            )
         )
         self.ring = RingAllReduce(
             self.transport,

@@ -24,7 +24,7 @@ from checkmate.metrics import parse_metrics_port
 from checkmate.wire import CHECKMATE_UDP_PORT
 from hosts.faults import FaultConfig
 from hosts.protection import ProtectionPolicy
-from hosts.transport import Addr, resolve
+from hosts.transport import Addr, datapath_from_env, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,9 @@ class CheckmateConfig:
     keep_iterations: int = 4
     shadow_connect_timeout: float = 2.0
     faults: FaultConfig = field(default_factory=FaultConfig)
+    datapath: str = "native"
+    """The transport's data path (``CHECKMATE_TRANSPORT``): ``"native"`` (compiled; the Python one
+    with a warning where it did not build) or ``"python"`` (:class:`hosts.transport.TransportConfig`)."""
     replication: str = "switch"
     """Who copies the reduced chunks to the shadows (``CHECKMATE_REPLICATION``): ``"switch"``
     (the tagged packets, REPLICATE set) or ``"host"`` (no switch: the chunk's owner sends an
@@ -217,6 +220,7 @@ class CheckmateConfig:
             timeout=float(env.get("CHECKMATE_TIMEOUT", "300")),
             peer_timeout=float(env.get("CHECKMATE_PEER_TIMEOUT", "30")),
             faults=faults,
+            datapath=_datapath_env(env),
             replication=_replication_mode(env.get("CHECKMATE_REPLICATION", "switch")),
             start_iteration=_int_env(env, "CHECKMATE_START_ITERATION", 0),
             optimizer_step=_int_env(env, "CHECKMATE_OPTIMIZER_STEP", 0),
@@ -313,6 +317,13 @@ def _file_stamp(path: str | None) -> tuple[int, int, int] | None:
     except OSError:
         return None
     return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _datapath_env(env: Mapping[str, str]) -> str:
+    try:
+        return datapath_from_env(env)
+    except ValueError as exc:
+        raise CheckmateConfigError(str(exc)) from None
 
 
 def _replication_mode(mode: str) -> str:

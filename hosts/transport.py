@@ -238,6 +238,7 @@ class Transport(Receiver):
         self._timer_count = 0
         self._rx_wake = os.pipe()
         self._tap: Callable[[CheckmateHeader, Addr, bool], None] | None = None
+        self._copy_hook: Callable[[bytes, Addr], None] | None = None
         self._rx = threading.Thread(target=self._receive_loop, name=f"cm-rx-{self.address[0]}", daemon=True)
         self._timer = threading.Thread(
             target=self._timer_loop, name=f"cm-timer-{self.address[0]}", daemon=True
@@ -267,7 +268,20 @@ class Transport(Receiver):
     def tap(self, value: Callable[[CheckmateHeader, Addr, bool], None] | None) -> None:
         self._tap = value
         if self._native is not None:
-            self._native.engine.set_tap(value is not None)
+            self._native.engine.set_tap(value is not None or self._copy_hook is not None)
+
+    @property
+    def copy_hook(self) -> Callable[[bytes, Addr], None] | None:
+        """Called with the datagram's bytes and destination for every reliable transmission (tests
+        that copy tagged datagrams to shadows, as a switch would). On the native path it costs a
+        Python call per datagram, like :attr:`tap`."""
+        return self._copy_hook
+
+    @copy_hook.setter
+    def copy_hook(self, value: Callable[[bytes, Addr], None] | None) -> None:
+        self._copy_hook = value
+        if self._native is not None:
+            self._native.engine.set_tap(value is not None or self._tap is not None)
 
     # ---- set-up ---------------------------------------------------------------------
     def add_job(

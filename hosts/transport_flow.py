@@ -166,6 +166,7 @@ class FlowControl(TransportIO):
     """Both directions of every flow, and the timer thread (all under ``_lock``)."""
 
     tap: Callable[[CheckmateHeader, Addr, bool], None] | None
+    copy_hook: Callable[[bytes, Addr], None] | None
 
     # ---- sending --------------------------------------------------------------------
     def send_packed(self, peer: Addr, job_id: int, header_bytes: bytearray, payload: Buffer = b"") -> None:
@@ -218,6 +219,8 @@ class FlowControl(TransportIO):
         self._counters["data_sent"] = self._counters.get("data_sent", 0) + 1
         if self.tap is not None:
             self.tap(decode(bytes(item.header_bytes) + bytes(item.payload))[0], flow.peer, False)
+        if self.copy_hook is not None:
+            self.copy_hook(bytes(item.header_bytes) + bytes(item.payload), flow.peer)
 
     def _retransmit(self, flow: SendFlow, item: Outstanding, now: float, why: str) -> None:
         """Resend ``item`` with RETRANSMIT added to its flags (lock held)."""
@@ -232,6 +235,8 @@ class FlowControl(TransportIO):
         self._counters[name] = self._counters.get(name, 0) + 1
         if self.tap is not None:
             self.tap(decode(bytes(item.header_bytes) + bytes(item.payload))[0], flow.peer, True)
+        if self.copy_hook is not None:
+            self.copy_hook(bytes(item.header_bytes) + bytes(item.payload), flow.peer)
 
     def _fill_window(self, flow: SendFlow, now: float) -> None:
         limit = min(self.config.window, flow.peer_window)

@@ -12,7 +12,7 @@ RTO) and sleeps until its next deadline. Python sees only what is not per datagr
   types): :meth:`hosts.transport_receive.Receiver._handle_datagram`;
 * ``EV_DATA``: an accepted DATA datagram of a job without a native ring (a plain ``add_job``
   handler, or a ring in host-replication mode), delivered to its handler;
-* ``EV_TAP``: a reliable transmission, while ``Transport.tap`` is set.
+* ``EV_TAP``: a reliable transmission, while ``Transport.tap`` or ``Transport.copy_hook`` is set.
 
 Events are dispatched on the engine's thread (with the GIL, the engine's mutex released) or on
 the Python thread whose call produced them. The Python path's own counters (``count``) and the
@@ -180,6 +180,8 @@ class NativeDatapath:
                 job.on_failure(error)
         elif kind == EV_TAP:
             data, addr, retransmit = args
-            tap = transport.tap
+            tap, hook = transport.tap, transport.copy_hook
             if tap is not None and len(data) >= HEADER_BYTES:
                 tap(decode(data)[0], addr, bool(retransmit))
+            if hook is not None:
+                hook(data, addr)

@@ -39,6 +39,9 @@ class CopyTap:
         self._held: tuple[bytes, Addr] | None = None
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.bind((transport.address[0], 0))
+        if getattr(transport, "native", None) is not None:  # the compiled data path: its copy hook
+            transport.copy_hook = lambda data, addr: self._copy([data])
+            return
         original = transport._sendmsg
 
         def tapped(parts: Sequence[Any], addr: Addr) -> None:
