@@ -92,32 +92,94 @@ def export_safetensors(reader: CheckpointReader, output: Path, max_shard_bytes: 
     return index_path
 
 
-def export_deepspeed_universal(reader: CheckpointReader, output: Path, tag: str | None = None) -> Path:
-    """Write DeepSpeed's universal checkpoint layout under ``output/<tag>``; returns that folder.
+DEEPSPEED_VERSION_WRITTEN = "0.19.0"
+"""The ``ds_version`` our DeepSpeed export claims (its loaders check a version is present and >= 0.3.17)."""
+DEEPSPEED_UNIVERSAL_INFO = {"universal_checkpoint_version": 0.2}
 
-    Each file carries the TP re-slicing keys DeepSpeed's loader reads (``cat_dim``,
-    ``vocab_tensor``, ``param_n_sub_params``) from the checkpoint's reshape spec, if any.
+
+def export_deepspeed_universal(reader: CheckpointReader, output: Path, tag: str | None = None) -> Path:
+    """Write DeepSpeed's universal checkpoint under ``output/<tag>``; returns that folder.
+
+    The layout is what DeepSpeed's own ``ds_to_universal`` writes, so a running
+    engine with ``"checkpoint": {"load_universal": true}`` resumes from it
+    (``engine.load_checkpoint(output, tag)``, ZeRO-1/2 and ZeRO-3):
+
+    * ``zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt``: ``{"param": tensor}`` plus the
+      TP re-slicing keys (``cat_dim``, ``vocab_tensor``, ``param_n_sub_params``)
+      from the checkpoint's reshape spec; ``step.pt``: the bare 0-d tensor;
+    * ``zero/optimizer_state.pt``: ``ds_version``, ``param_groups`` (ZeRO-1/2),
+      ``optimizer_state_dict`` with the step and groups (ZeRO-3), ``step`` (our import);
+    * ``mp_rank_00_model_states.pt`` and ``zero_pp_rank_0_mp_rank_00_model_states.pt``:
+      ``module`` (weights and the job state's buffers), ``param_shapes``,
+      ``global_steps`` and the engine's bookkeeping keys;
+    * ``output/latest_universal`` names the tag.
+
+    Only plain types and tensors are written (``torch.load(weights_only=True)`` reads them).
     """
     from checkmate.universal.interop import deepspeed_metadata
     from checkmate.universal.spec import spec_of_checkpoint
 
+    reader.check_optimizer_states()
     spec = spec_of_checkpoint(reader.global_state)
     metadata = {name: deepspeed_metadata(spec, name) for name in reader.parameters}  # refuse before writing
     tag = tag or f"global_step{reader.step}_universal"
     folder = output / tag
     zero = folder / "zero"
+    module: dict[str, torch.Tensor] = {}
+    adam_step: torch.Tensor | None = None
     for name in reader.parameters:
         directory = zero / name
         directory.mkdir(parents=True, exist_ok=True)
         for state in reader.states_of(name):
             file = DEEPSPEED_STATE_FILES.get(state, state)
             value = reader.parameter(name, state)
-            keys = metadata[name] if value.dim() else {}
-            torch.save({"param": value, **keys}, directory / f"{file}.pt")
+            if value.dim() == 0:
+                torch.save(value.clone(), directory / f"{file}.pt")  # DeepSpeed keeps 0-d states bare
+                if state == "step" and adam_step is None:
+                    adam_step = value.detach().clone().float()
+                continue
+            torch.save({"param": value, **metadata[name]}, directory / f"{file}.pt")
+            if state == PARAM_STATE:
+                module[name] = value
+    job_state = reader.job_state()
+    if job_state is not None:
+        module.update({name: value.clone() for name, value in job_state.buffers.items()})
+    groups = [
+        {**{k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k != "params"}, "params": [i]}
+        for i, g in enumerate(_param_groups(reader))
+    ] or [{"params": [0]}]
+    step = adam_step if adam_step is not None else torch.tensor(float(reader.step))
     torch.save(
-        {"optimizer_state_dict": {"param_groups": _param_groups(reader)}, "step": reader.step},
+        {
+            "ds_version": DEEPSPEED_VERSION_WRITTEN,
+            "param_groups": groups,
+            "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": groups},
+            "step": reader.step,
+            "checkmate_param_groups": _param_groups(reader),
+        },
         zero / "optimizer_state.pt",
     )
+    model_states = {
+        "module": module,
+        "buffer_names": sorted(job_state.buffers) if job_state is not None else [],
+        "optimizer": None,
+        "param_shapes": [{n: torch.Size(reader.parameters[n]["shape"]) for n in reader.parameters}],
+        "frozen_param_shapes": None,
+        "shared_params": {},
+        "frozen_param_fragments": None,
+        "lr_scheduler": None,
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": 0,
+        "global_steps": reader.step,
+        "dp_world_size": 1,
+        "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        "ds_version": DEEPSPEED_VERSION_WRITTEN,
+        "universal_checkpoint_info": dict(DEEPSPEED_UNIVERSAL_INFO),
+    }
+    for file in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        torch.save(model_states, folder / file)
     (output / "latest_universal").write_text(tag)
     return folder
 

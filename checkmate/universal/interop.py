@@ -84,7 +84,7 @@ def import_deepspeed_universal(folder: Path, output: Path, num_shards: int = 1) 
         states: dict[str, torch.Tensor] = {}
         meta: dict[str, Any] = {}
         for file in sorted(directory.glob("*.pt")):
-            content = _load_pt(file)
+            content = _load_deepspeed_pickle(file)
             value = content.get("param") if isinstance(content, Mapping) else content
             if not isinstance(value, torch.Tensor):
                 raise CheckpointError(f"{file}: holds no 'param' tensor")
@@ -98,7 +98,11 @@ def import_deepspeed_universal(folder: Path, output: Path, num_shards: int = 1) 
         rules.append(_rule_from_deepspeed(name, meta, tuple(states[PARAM_STATE].shape)))
     if not atoms:
         raise CheckpointError(f"{zero}: no parameter folders")
-    step, groups = _deepspeed_optimizer(zero, sorted(atoms))
+    step, groups, zero3_step = _deepspeed_optimizer(zero, sorted(atoms))
+    if zero3_step is not None:  # ZeRO-3's converter keeps Adam's step once, not per parameter
+        for states in atoms.values():
+            if len(states) > 1:
+                states.setdefault("step", zero3_step.clone())
     spec = ReshapeSpec(tuple(r for r in rules if r.cat_dim is not None))
     with staged_output(output) as staging:
         for shard, owned in enumerate(
@@ -127,21 +131,73 @@ def _rule_from_deepspeed(name: str, meta: Mapping[str, Any], shape: tuple[int, .
     return ReshapeRule(re.escape(name), cat_dim=dim, parts=parts, vocab=bool(meta.get("vocab_tensor", False)))
 
 
-def _deepspeed_optimizer(zero: Path, names: list[str]) -> tuple[int, list[dict[str, Any]]]:
+def _load_deepspeed_pickle(path: Path) -> Any:
+    """A DeepSpeed-written file: weights-only, allowing DeepSpeed's own plain state classes.
+
+    DeepSpeed's ``ds_to_universal`` pickles its ``LossScaler`` and ``ZeroStageEnum``
+    into ``optimizer_state.pt``; those (and nothing else) are allowed, when
+    DeepSpeed is importable to name them.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as first:  # noqa: BLE001 - torch.load raises many types for a bad file
+        try:
+            from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+            from deepspeed.runtime.zero.config import ZeroStageEnum
+        except ImportError:
+            raise CheckpointError(
+                f"{path}: not loadable weights-only ({type(first).__name__}: {first}); "
+                "DeepSpeed's own classes in it need deepspeed installed to be named"
+            ) from None
+        try:
+            with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum]):
+                return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - as above
+            raise CheckpointError(
+                f"{path}: not a loadable tensor file ({type(exc).__name__}: {exc})"
+            ) from None
+
+
+def _deepspeed_optimizer(
+    zero: Path, names: list[str]
+) -> tuple[int, list[dict[str, Any]], torch.Tensor | None]:
+    """(step, param groups, the ZeRO-3 optimizer step) of a DeepSpeed universal folder's zero/."""
     path = zero / "optimizer_state.pt"
+    model_states = [
+        zero.parent / f for f in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    ]
+    step = 0
+    for candidate in model_states:
+        if candidate.is_file():
+            states = _load_deepspeed_pickle(candidate)
+            if isinstance(states, Mapping) and isinstance(states.get("global_steps"), int):
+                step = states["global_steps"]
+            break
     if not path.is_file():
-        return 0, []
-    content = _load_pt(path)
-    step = int(content.get("step", 0) or 0) if isinstance(content, Mapping) else 0
-    groups = []
+        return step, [], None
+    content = _load_deepspeed_pickle(path)
+    if not isinstance(content, Mapping):
+        return step, [], None
+    if isinstance(content.get("step"), int):
+        step = content["step"]
+    inner = content.get("optimizer_state_dict")
+    inner = inner if isinstance(inner, Mapping) else {}
+    zero3_step = None
+    state = inner.get("state")
+    if isinstance(state, Mapping) and isinstance(state.get(0), Mapping):
+        value = state[0].get("step")
+        if value is not None:
+            zero3_step = torch.as_tensor(value, dtype=torch.float32).clone()
     saved = (
-        content.get("optimizer_state_dict", {}).get("param_groups", [])
-        if isinstance(content, Mapping)
-        else []
+        content.get("checkmate_param_groups")
+        or content.get("param_groups")
+        or inner.get("param_groups")
+        or []
     )
+    groups = []
     for group in saved:
         hyper = {
-            k: v
+            k: (list(v) if isinstance(v, tuple) else v)
             for k, v in group.items()
             if k != "params" and isinstance(v, (int, float, bool, str, list, tuple))
         }
@@ -149,7 +205,7 @@ def _deepspeed_optimizer(zero: Path, names: list[str]) -> tuple[int, list[dict[s
         groups.append({**hyper, "params": list(params) if all(isinstance(p, str) for p in params) else []})
     if groups and not any(g["params"] for g in groups):
         groups = [{**groups[0], "params": names}]  # DeepSpeed numbers parameters; one group holds all
-    return step, groups
+    return step, groups, zero3_step
 
 
 DCP_RECORD = "checkmate-layout.json"
