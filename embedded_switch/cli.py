@@ -372,7 +372,9 @@ def run(config: SwitchConfig, stop: threading.Event) -> int:
     try:
         bound = server.start()
         if config.metrics_port is not None:
-            collector = switch_collector(config.device_id, ports, lambda: server.state)
+            collector = switch_collector(
+                config.device_id, ports, lambda: server.state, lambda: server.refusals
+            )
             metrics = MetricsServer(collector, config.metrics_port, config.metrics_address)
     except Exception:
         server.stop(grace=0)

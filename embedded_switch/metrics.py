@@ -10,7 +10,7 @@ arrays, indexed by job slot; the ``job`` label comes from the ``lookup_job`` tab
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
@@ -39,8 +39,20 @@ def _slot_jobs(state: SwitchState) -> dict[int, str]:
     return out
 
 
-def switch_metrics(device: int, ports: SwitchPorts, state: SwitchState | None) -> list[Metric]:
+def switch_metrics(
+    device: int,
+    ports: SwitchPorts,
+    state: SwitchState | None,
+    p4runtime_refusals: Mapping[str, int] | None = None,
+) -> list[Metric]:
     f = Families(PREFIX, {"device": str(device)})
+    if p4runtime_refusals is not None:
+        f.labelled_counter(
+            "p4runtime_refusals",
+            "P4Runtime StreamChannels refused or cancelled (too many, per host, idle)",
+            "cause",
+            p4runtime_refusals,
+        )
     stats = ports.port_stats()
     f.labelled_counter(
         "port_received_packets",
@@ -106,11 +118,16 @@ def switch_metrics(device: int, ports: SwitchPorts, state: SwitchState | None) -
 
 
 def switch_collector(
-    device: int, ports: SwitchPorts, state: Callable[[], SwitchState | None]
+    device: int,
+    ports: SwitchPorts,
+    state: Callable[[], SwitchState | None],
+    p4runtime_refusals: Callable[[], Mapping[str, int]] | None = None,
 ) -> CallbackCollector:
-    """A collector reading ``ports`` and ``state()`` (the server's current state) at every scrape."""
+    """A collector reading ``ports``, ``state()`` (the server's current state) and the P4Runtime
+    server's refusals at every scrape."""
 
     def produce() -> Iterable[Metric]:
-        return switch_metrics(device, ports, state())
+        refusals = p4runtime_refusals() if p4runtime_refusals is not None else None
+        return switch_metrics(device, ports, state(), refusals)
 
     return CallbackCollector(PREFIX, produce)

@@ -9,8 +9,11 @@
    ACK, NACK and DATA datagrams per iteration. The control channel sends one commit
    to each shadow per iteration and gets one certified back (the demo has 2 shadows).
 2. **Cost per operation, measured.** Tagging and checking an ACK (the MAC of
-   :class:`checkmate.auth.DatagramAuth`), and writing plus reading a commit frame
-   through a socket pair with the control MAC against the same bytes without it.
+   :class:`checkmate.auth.DatagramAuth`), writing plus reading a commit frame (with
+   its gradient tags) through a socket pair with the control MAC against the same
+   bytes without it, rank 0 tagging every reduced bucket of an iteration and the
+   shadows checking them (:class:`checkmate.auth.GradientDigests`), and, once per
+   connection, the control handshake (the shadow's hello, the client's proof).
 3. **The iteration**: TinyLM's forward, backward and AdamW step for the demo's
    per-rank batch (48 / 3 ranks, context 64) on one thread, measured here
    (``compute_only``: a lower bound of a real iteration, which also communicates, so
@@ -40,9 +43,10 @@ from typing import Any
 
 import torch
 
-from checkmate.auth import DatagramAuth
+from checkmate.auth import DatagramAuth, GradientDigests
 from checkmate.control import Commit, decode_message, encode_message, recv_message, send_message
-from checkmate.control_frame import bind, process_auth
+from checkmate.control_frame import ControlAuth, bind, process_auth
+from checkmate.tensors import tensor_payload
 from checkmate.tiny_lm import ModelConfig, TinyLM
 from checkmate.wire import CheckmateHeader, DType, MessageType
 from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig
@@ -144,9 +148,63 @@ def datagram_costs(payload_bytes: int) -> dict[str, float]:
     }
 
 
-def control_costs() -> dict[str, float]:
+def gradient_tag_costs(buckets: list[int]) -> dict[str, float]:
+    """Seconds per iteration for rank 0 to tag every reduced bucket and for the shadows to check them."""
+    tensors = [torch.randn(n) for n in buckets]
+    rank0, shadow = GradientDigests(SECRET, 1), GradientDigests(SECRET, 1)
+    state = {"iteration": 0}
+
+    def tag_all() -> None:
+        i = state["iteration"] = state["iteration"] + 1
+        for b, t in enumerate(tensors):
+            rank0.record(i, b, tensor_payload(t))
+        state["digests"] = rank0.take(i)  # type: ignore[assignment]
+
+    def check_all() -> None:
+        digests = state["digests"]
+        for b, t in enumerate(tensors):
+            assert shadow.check(digests, b, tensor_payload(t)) is None  # type: ignore[arg-type]
+
+    tag_all()
+    return {
+        "gradient_tags_s_per_iteration": _per_call(tag_all, number=100),
+        "gradient_checks_s_per_iteration": _per_call(check_all, number=100),
+        "gradient_bytes_per_iteration": 4 * sum(buckets),
+    }
+
+
+def handshake_costs() -> dict[str, float]:
+    """Seconds per control connection for the hello and the proof (both ends), on a socket pair."""
+    server_auth, client_auth = ControlAuth(SECRET), ControlAuth(SECRET)
+
+    def handshake() -> None:
+        a, b = socket.socketpair()
+        with a, b:
+            server = bind(b, server_auth, 1, server=True, name="s0")
+            bind(a, client_auth, 1, name="s0")
+            server.recv(b, 1.0)  # the proof
+
+    def bare() -> None:
+        a, b = socket.socketpair()
+        a.close()
+        b.close()
+
+    return {
+        "handshake_s_per_connection": max(0.0, _per_call(handshake, number=200) - _per_call(bare, number=200))
+    }
+
+
+def control_costs(digests: dict[str, Any] | None = None) -> dict[str, float]:
     """Seconds to write and read one commit frame through a socket pair, with and without the MAC."""
-    commit = Commit(1, 12345, [0.001], clip_coefficient=0.5, optimizer_step=12346, data_position={"batch": 9})
+    commit = Commit(
+        1,
+        12345,
+        [0.001],
+        clip_coefficient=0.5,
+        optimizer_step=12346,
+        data_position={"batch": 9},
+        gradient_digests=digests,
+    )
     a, b = socket.socketpair()
     bind(b, process_auth(), server=True)
     bind(a, process_auth())
@@ -213,13 +271,20 @@ def main(argv: list[str] | None = None) -> int:
         4 * sum(buckets) * 2 * (args.world - 1) / args.world / max(counts["data_per_iteration"], 1)
     )
     costs = datagram_costs(mean_payload)
-    control = control_costs()
+    sample = GradientDigests(SECRET, 1)
+    for b, n in enumerate(buckets):
+        sample.record(0, b, tensor_payload(torch.zeros(n)))
+    control = control_costs(sample.take(0))  # a commit as rank 0 sends it, with the buckets' tags
+    gradient = gradient_tag_costs(buckets)
+    handshake = handshake_costs()
     iteration = iteration_time(args.world)
 
     acks = counts["acks_per_iteration"] + counts["nacks_per_iteration"]
     datagram_auth = acks * (costs["ack_seal_s"] + costs["ack_open_s"])
     control_auth = 2 * args.shadows * max(0.0, control["commit_authenticated_s"] - control["commit_plain_s"])
-    per_iteration = datagram_auth + control_auth
+    gradient_auth = gradient["gradient_tags_s_per_iteration"] + gradient["gradient_checks_s_per_iteration"]
+    per_iteration = datagram_auth + control_auth + gradient_auth
+    rank0_gradient = gradient["gradient_tags_s_per_iteration"]
     data_mac = counts["data_per_iteration"] * 2 * costs["data_mac_s"]  # sender tags, receiver checks
     references = {
         "compute_only": iteration["compute_s"],
@@ -238,10 +303,13 @@ def main(argv: list[str] | None = None) -> int:
         "world": args.world,
         "shadows": args.shadows,
         "counts": counts,
-        "costs": {**costs, **control},
+        "costs": {**costs, **control, **gradient, **handshake},
         "authentication_s_per_iteration": per_iteration,
         "datagram_auth_s_per_iteration": datagram_auth,
         "control_auth_s_per_iteration": control_auth,
+        "gradient_auth_s_per_iteration": gradient_auth,
+        "rank0_gradient_tags_s_per_iteration": rank0_gradient,
+        "rank0_gradient_tags_fraction_of_iteration": {k: rank0_gradient / v for k, v in references.items()},
         "data_mac_s_per_iteration_not_used": data_mac,
         "iteration_s": references,
         "fraction_of_iteration": {k: per_iteration / v for k, v in references.items()},
@@ -264,8 +332,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{control['commit_plain_s'] * 1e6:.1f} us plain"
     )
     print(
+        f"gradient tags: rank 0 {gradient['gradient_tags_s_per_iteration'] * 1e6:.0f} us, shadows' checks "
+        f"{gradient['gradient_checks_s_per_iteration'] * 1e6:.0f} us per iteration "
+        f"({gradient['gradient_bytes_per_iteration'] / 1e3:.0f} kB); control handshake "
+        f"{handshake['handshake_s_per_connection'] * 1e6:.0f} us per connection"
+    )
+    print(
         f"authentication: {per_iteration * 1e6:.0f} us per iteration "
-        f"(datagrams {datagram_auth * 1e6:.0f} us, control {control_auth * 1e6:.0f} us)"
+        f"(datagrams {datagram_auth * 1e6:.0f} us, control {control_auth * 1e6:.0f} us, "
+        f"gradient tags and checks {gradient_auth * 1e6:.0f} us)"
     )
     for name, seconds in references.items():
         print(
