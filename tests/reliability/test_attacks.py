@@ -192,10 +192,11 @@ def test_spoofed_other_job_and_replayed_data_never_change_a_shadow(
 
 # ---- forged transport control datagrams --------------------------------------------------
 @pytest.mark.root
-def test_forged_ack_nack_and_repair_requests_are_not_let_in(reliability: Recorder) -> None:
+@pytest.mark.parametrize("datapath", ["native", "python"])
+def test_forged_ack_nack_and_repair_requests_are_not_let_in(reliability: Recorder, datapath: str) -> None:
     case = (
         "forged ACK, NACK and REPAIR_REQUEST with a job member's exact source address (raw socket): "
-        "no MAC, or another job's MAC"
+        f"no MAC, or another job's MAC ({datapath} data path)"
     )
     compared = (
         "per datagram: dropped as unauthenticated or acted on; the sender's unacknowledged data and "
@@ -204,8 +205,14 @@ def test_forged_ack_nack_and_repair_requests_are_not_let_in(reliability: Recorde
     reliability.begin(area="bad input", case=case, target="host agent transport", compared=compared)
     a_addr, b_addr, shadow_addr = ("127.0.0.70", 47001), ("127.0.0.71", 47002), ("127.0.0.72", 47003)
     requests: list[int] = []
-    a = Transport(TransportConfig(bind=a_addr, peer_timeout=60.0, initial_rto=5.0, min_rto=5.0, max_rto=5.0))
+    a = Transport(
+        TransportConfig(
+            bind=a_addr, peer_timeout=60.0, initial_rto=5.0, min_rto=5.0, max_rto=5.0, datapath=datapath
+        )
+    )
     try:
+        if datapath == "native" and a.datapath != "native":
+            pytest.skip("hosts.native._datapath is not built")
         a.add_job(JOB, 0, {0: a_addr, 1: b_addr}, lambda *_: None, on_request=lambda *_: requests.append(1))
         payload = bytes(16)
         for i in range(8):  # nobody listens at b: these stay unacknowledged

@@ -21,6 +21,7 @@ import torch
 
 from checkmate.auth import datagram_job, needs_tag
 from checkmate.wire import CHECKMATE_UDP_PORT, CheckmateHeader, DType, Flags, MessageType
+from hosts import native
 from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig, reference_allreduce
 from hosts.transport import Transport, TransportConfig
 from tests.reliability.fuzz_frames import decodes, mutate_datagram, tally
@@ -127,11 +128,11 @@ class Fuzzer(threading.Thread):
             sock.close()
 
 
-def _fuzz_during_allreduce(iterations: int, limit: int, seed: int) -> dict[str, object]:
+def _fuzz_during_allreduce(iterations: int, limit: int, seed: int, datapath: str) -> dict[str, object]:
     torch.set_num_threads(1)
     engines = [
         RingAllReduce(
-            Transport(TransportConfig(bind=RANKS[r], peer_timeout=20.0)),
+            Transport(TransportConfig(bind=RANKS[r], peer_timeout=20.0, datapath=datapath)),
             RingConfig(job_id=JOB, rank=r, workers=RANKS, shard_key_for_bucket=lambda b: b % 2, timeout=60.0),
         )
         for r in range(2)
@@ -217,12 +218,15 @@ def _held(r: dict[str, object]) -> str:
     )
 
 
-def test_fuzzed_datagrams_into_the_host_agent_during_allreduce(reliability: Recorder) -> None:
-    result = _fuzz_during_allreduce(iterations=12, limit=4000, seed=40)
+@pytest.mark.parametrize("datapath", ["native", "python"])
+def test_fuzzed_datagrams_into_the_host_agent_during_allreduce(reliability: Recorder, datapath: str) -> None:
+    if datapath == "native" and not native.available():
+        pytest.skip("hosts.native._datapath is not built")
+    result = _fuzz_during_allreduce(iterations=12, limit=4000, seed=40, datapath=datapath)
     assert int(result["malformed"]) > 1000  # type: ignore[call-overload]
     reliability.record(
         area="bad input",
-        case="fuzzed datagrams into the transport socket while a ring all-reduce runs",
+        case=f"fuzzed datagrams into the transport socket while a ring all-reduce runs ({datapath} path)",
         target="host agent",
         trials=int(result["sent"]),  # type: ignore[call-overload]
         compared="every all-reduce result bit for bit against the ring-order reference; per rank, the "
@@ -235,7 +239,7 @@ def test_fuzzed_datagrams_into_the_host_agent_during_allreduce(reliability: Reco
 
 @pytest.mark.soak
 def test_fuzzed_datagrams_into_the_host_agent_soak(reliability: Recorder) -> None:
-    result = _fuzz_during_allreduce(iterations=200, limit=100_000, seed=41)
+    result = _fuzz_during_allreduce(iterations=200, limit=100_000, seed=41, datapath="native")
     reliability.record(
         area="bad input",
         case="fuzzed datagrams into the transport socket during ring all-reduce, 100k cases",
