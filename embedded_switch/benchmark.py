@@ -387,7 +387,7 @@ def default_start_rate(target: str, frame_bytes: int, datapath: str = "python") 
     if target == "bmv2":
         return 2_000.0 if frame_bytes <= 1600 else 1_500.0
     if datapath == "native":
-        return 150_000.0 if frame_bytes <= 1600 else 50_000.0
+        return 50_000.0 if frame_bytes <= 1600 else 15_000.0
     return 40_000.0 if frame_bytes <= 1600 else 15_000.0
 
 

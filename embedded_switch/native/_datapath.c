@@ -384,18 +384,21 @@ static int run_end(Run *run) {
     return rc;
 }
 
-static void mark_dirty(FlowCache *fc, Flow *f) {
-    if (!f->dirty) {
-        f->dirty = 1;
-        fc->dirty[fc->ndirty++] = (int32_t)(f - fc->flows);
-    }
+static int mark_dirty(Run *run, Flow *f) {
+    FlowCache *fc = run->fc;
+    if (f->dirty) return 0;
+    /* A flow flushed early (replaced) and run again can be listed twice: never overrun the list. */
+    if (fc->ndirty == FLOW_LIMIT && cache_flush(fc, run->drops) < 0) return -1;
+    f->dirty = 1;
+    fc->dirty[fc->ndirty++] = (int32_t)(f - fc->flows);
+    return 0;
 }
 
 /* Run the compiled decision on one frame (n >= CACHED_MIN_BYTES). */
 static int execute(Run *run, Flow *f, const uint8_t *frame, size_t n) {
+    if (mark_dirty(run, f) < 0) return -1;
     f->pend_packets++;
     f->pend_bytes += n;
-    mark_dirty(run->fc, f);
     for (Py_ssize_t i = 0; i < f->nouts; i++) {
         const Out *o = &f->outs[i];
         uint8_t hdr[HDR_BYTES];
