@@ -38,6 +38,8 @@ from controller.shadow_status import (
     DEFAULT_SHADOW_TIMEOUT_S,
     SHADOW_CONTROL_PORT,
     ShadowStatus,
+    protection,
+    protection_line,
     query_shadows,
     shadow_addresses,
     summary_line,
@@ -180,9 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         "every registered job are installed again. Without --bmv2-json or --tofino-* only the P4Info is "
         "pushed, which is what the embedded target takes.",
     )
-    push.add_argument(
-        "--p4info", type=Path, default=P4INFO_PATH, help=f"P4Info file (default {P4INFO_PATH})"
-    )
+    push.add_argument("--p4info", type=Path, default=P4INFO_PATH, help=f"P4Info file (default {P4INFO_PATH})")
     push.add_argument("--bmv2-json", type=Path, help="BMv2 JSON from p4c (target bmv2)")
     push.add_argument(
         "--tofino-bin", type=Path, help="tofino.bin from bf-p4c (target tofino; with --tofino-context)"
@@ -486,6 +486,7 @@ def _show(ctl: Controller, network: Network, args: argparse.Namespace, job_id: i
         }
         if shadows is not None:
             out["shadows"] = {answer.shadow: answer.to_json() for answer in shadows}
+            out["protection"] = protection(shadows, record.spec.job_id)
         return out
     _print_job_line(record.spec, record.slot)
     for (switch, port, shadow), group in sorted(record.groups.items()):
@@ -504,6 +505,7 @@ def _show(ctl: Controller, network: Network, args: argparse.Namespace, job_id: i
         print(f"  shadows (status on their control port, {args.shadow_timeout:g} s timeout):")
         for answer in shadows:
             print(f"    {summary_line(answer, record.spec.job_id)}")
+        print(f"  {protection_line(protection(shadows, record.spec.job_id))}")
     return {}
 
 

@@ -14,7 +14,7 @@ and a shadow that is down, slow or answers garbage becomes a
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -174,3 +174,63 @@ def summary_line(answer: ShadowStatus, job_id: int | None = None) -> str:
     if job_id is not None and served is not None and served != job_id:
         parts.append(f"serves job {served}, not {job_id}")
     return "  ".join(parts)
+
+
+# ---- the job's protection, from every shadow's answer ------------------------------------
+NOT_PROTECTING = ("waiting_for_job", "waiting_for_layout", "diverged")
+"""Shadow states in which a shadow holds no certified state of the job that advances."""
+
+
+def protection(answers: Sequence[ShadowStatus], job_id: int | None = None) -> dict[str, Any]:
+    """Whether the shadows protect the job, as ``job show`` sees it from their answers.
+
+    Protected: every shadow answered, serves the job, is ``running`` (or ``stalled``, said as a
+    warning: an iteration it waits for) and has certified an iteration. ``certified_through`` is
+    the last iteration every shadow certified, ``lag_iterations`` the slowest shadow's lag
+    (``latest_commit - applied``, its own view; rank 0's, against its last commit, is in the
+    agent's metrics and ``agent.stats()["protection"]``).
+    """
+    problems: list[str] = []
+    warnings: list[str] = []
+    certified: list[int] = []
+    lags: list[int] = []
+    for answer in answers:
+        if answer.status is None:
+            problems.append(f"{answer.shadow}: no answer ({answer.error})")
+            continue
+        doc = answer.status
+        served = doc.get("job_id")
+        state = str(doc.get("state"))
+        blocked = f" ({doc['blocked']})" if doc.get("blocked") else ""
+        if job_id is not None and served is not None and served != job_id:
+            problems.append(f"{answer.shadow}: serves job {served}")
+        elif state in NOT_PROTECTING:
+            problems.append(f"{answer.shadow}: {state}{blocked}")
+        elif state != "running":
+            warnings.append(f"{answer.shadow}: {state}{blocked}")
+        value = doc.get("certified_iteration")
+        certified.append(value if isinstance(value, int) else -1)
+        lag = doc.get("lag_iterations")
+        if isinstance(lag, int):
+            lags.append(lag)
+    through = min(certified) if certified and len(certified) == len(answers) else None
+    if through is not None and through < 0 and not problems:
+        problems.append("no iteration certified by every shadow yet")
+    return {
+        "protected": not problems and through is not None and through >= 0,
+        "certified_through": through if through is not None and through >= 0 else None,
+        "lag_iterations": max(lags) if lags else None,
+        "problems": problems,
+        "warnings": warnings,
+    }
+
+
+def protection_line(summary: Mapping[str, Any]) -> str:
+    """``protection: every shadow certified through iteration 40 (the slowest lags 2)`` or UNPROTECTED."""
+    if not summary["protected"]:
+        return "protection: UNPROTECTED: " + "; ".join(summary["problems"] or ["no shadow"])
+    line = (
+        f"protection: every shadow certified through iteration {summary['certified_through']} "
+        f"(the slowest lags {'-' if summary['lag_iterations'] is None else summary['lag_iterations']})"
+    )
+    return line + (f"; {'; '.join(summary['warnings'])}" if summary["warnings"] else "")

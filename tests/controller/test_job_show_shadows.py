@@ -35,6 +35,8 @@ from controller.cli import main
 from controller.shadow_status import (
     SHADOW_CONTROL_PORT,
     ShadowStatus,
+    protection,
+    protection_line,
     shadow_addresses,
     summary_line,
 )
@@ -188,6 +190,8 @@ def test_human_output_has_a_line_per_shadow(
         f"sh2 {host}:{port}: waiting_for_job  certified -1  applied -1  lag -  received 0 packets"
     )
     assert sh2.endswith("drops 0")
+    # sh2 has no job: the job is not protected, and job show says why
+    assert "  protection: UNPROTECTED: sh2: waiting_for_job" in out
 
 
 def test_json_output_has_each_shadows_status_document(
@@ -210,6 +214,8 @@ def test_json_output_has_each_shadows_status_document(
     for field in ("applied_iteration", "certified_iteration", "lag_iterations", "packets_received"):
         assert field in real
     assert isinstance(real["drops"], dict) and isinstance(real["repairs"], dict)
+    assert shown["protection"]["protected"] is False
+    assert shown["protection"]["problems"] == ["sh2: waiting_for_job"]
 
 
 @pytest.mark.parametrize(
@@ -325,3 +331,34 @@ def test_the_line_says_how_old_the_newest_checkpoint_on_disk_is() -> None:
     empty = summary_line(ShadowStatus("sh1", "127.0.0.2:1", status={**status, "disk": none}))
     assert "  disk none  " in empty
     assert " disk " not in summary_line(ShadowStatus("sh1", "127.0.0.2:1", status=status))  # no snapshots
+
+
+def test_protection_says_how_far_every_shadow_certified_or_why_the_job_is_unprotected() -> None:
+    one = ShadowStatus("sh1", "127.0.0.2:1", status=STATUS)
+    two = ShadowStatus(
+        "sh2", "127.0.0.3:1", status={**STATUS, "certified_iteration": 38, "lag_iterations": 4}
+    )
+    summary = protection([one, two], 7)
+    assert summary == {
+        "protected": True,
+        "certified_through": 38,
+        "lag_iterations": 4,
+        "problems": [],
+        "warnings": [],
+    }
+    assert (
+        protection_line(summary)
+        == "protection: every shadow certified through iteration 38 (the slowest lags 4)"
+    )
+    refused = {**STATUS, "state": "waiting_for_layout", "blocked": "cannot join: Adam rejects param group 0"}
+    gone = ShadowStatus("sh3", "127.0.0.4:1", error="connection refused (no shadow listening)")
+    summary = protection([one, ShadowStatus("sh2", "x", status=refused), gone], 7)
+    assert not summary["protected"]
+    assert protection_line(summary) == (
+        "protection: UNPROTECTED: sh2: waiting_for_layout (cannot join: Adam rejects param group 0); "
+        "sh3: no answer (connection refused (no shadow listening))"
+    )
+    other = protection([ShadowStatus("sh1", "x", status={**STATUS, "job_id": 8})], 7)
+    assert other["problems"] == ["sh1: serves job 8"]
+    fresh = protection([ShadowStatus("sh1", "x", status={**STATUS, "certified_iteration": -1})], 7)
+    assert fresh["problems"] == ["no iteration certified by every shadow yet"]
