@@ -397,7 +397,7 @@ def test_rogue_job_start_and_restore_requests_without_the_secret(
 ) -> None:
     case = (
         "rogue JobStart and restore requests: no secret (protocol v1 frame), another job's secret, and a "
-        "replay of a genuine restore request on a new connection"
+        "replay of a genuine restore request (recorded on the wire) on a new connection"
     )
     compared = (
         "per connection: bytes of state the shadow sent back (must be 0) and whether its job, applied "
@@ -455,8 +455,9 @@ def test_rogue_job_start_and_restore_requests_without_the_secret(
         differed=differed,
         held=f"{TRIALS} rogue connections ({TRIALS // 2} JobStarts of other tensors, {TRIALS // 2} restore "
         f"requests; half v1 frames, half another job's key) and {replays} replays of a genuine restore "
-        f"request: every connection closed with 0 bytes of state sent (the genuine request got {genuine} "
-        "bytes); job, applied iteration and parameters unchanged (bit-equal to torch.optim.SGD)",
+        "request on new connections: every connection closed with 0 bytes of state sent beyond the shadow's "
+        "hello (the genuine request got the state); job, applied iteration and parameters unchanged "
+        "(bit-equal to torch.optim.SGD)",
     )
 
 
