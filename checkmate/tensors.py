@@ -7,6 +7,7 @@ Payload bytes are the tensor's little-endian memory image (docs/protocol.md).
 from __future__ import annotations
 
 import sys
+import warnings
 
 import torch
 
@@ -17,6 +18,13 @@ _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian host is supported
     raise ImportError("checkmate.tensors assumes a little-endian host (payloads are little-endian)")
+
+# torch.frombuffer over a read-only buffer (a received datagram's bytes) warns once per process
+# that the tensor is not write-protected. payload_tensor's tensors are only read (or cloned), so
+# that warning says nothing to a user: spend torch's one warning here, silenced, at import.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(bytes(4), dtype=torch.float32)
 
 
 def wire_dtype(dtype: torch.dtype) -> DType:

@@ -181,3 +181,22 @@ def test_mutated_datagrams_decode_consistently_or_raise(edits: list[tuple[int, i
         MessageType.REPAIR_DATA,
     )
     assert header.pack() == bytes(datagram[:HEADER_BYTES])
+
+
+def test_a_read_only_payload_gives_no_warning_even_with_warnings_as_errors() -> None:
+    """torch warns once per process about tensors over read-only buffers; payload_tensor's are read
+    only, so a healthy run shows no such warning (checkmate.tensors spends it at import)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from checkmate.tensors import payload_tensor\n"
+        "from checkmate.wire import DType\n"
+        "for d in (DType.FP32, DType.BF16, DType.FP16):\n"
+        "    assert payload_tensor(bytes(8), d).numel() > 0\n"
+        "    assert payload_tensor(memoryview(bytes(8)), d).numel() > 0\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
