@@ -91,6 +91,7 @@ from hosts.ddp_config import (
     _file_stamp,
     _fingerprint_every,
     _replication_mode,
+    ask_shadow_data_ports,
     read_job_file,
 )
 from hosts.ddp_gradients import CheckmateStateError, GradientGuard, clip_grad_norm_
@@ -162,6 +163,10 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
         """The DDP model's process group: every rank of this ring (with TP x DP: one TP index's DP group)."""
         workers = self._rendezvous(config)
         self.workers = workers
+        if _replication_mode(config.replication) == "host" and config.shadow_control:
+            # no switch: the owner of each chunk sends the copy to the port the shadow listens on
+            ports = ask_shadow_data_ports(config.shadow_control, config.job_id, config.shadow_connect_timeout)
+            config = self.config = dataclasses.replace(config, shadow_data_ports=ports)
         self.transport = Transport(
             TransportConfig(
                 bind=config.bind,

@@ -90,6 +90,9 @@ class CheckmateConfig:
     and shadows, carrying that TP shard of the gradients (docs/checkpoint-format.md)."""
     tp_index: int = 0
     """This rank's TP index: its lane (``RANK % tp_degree``, the ``("dp", "tp")`` mesh order)."""
+    shadow_data_ports: Mapping[str, int] = field(default_factory=dict)
+    """Shadow name -> the UDP port it receives copies on, as the shadow itself said
+    (:func:`ask_shadow_data_ports`; host replication). A shadow not here: the job's shadow port."""
     protection: ProtectionPolicy = field(default_factory=ProtectionPolicy)
     """Bounded lag and what an unprotected job does (``CHECKMATE_MAX_LAG``, ``CHECKMATE_ON_LAG``,
     ``CHECKMATE_UNPROTECTED``, ``CHECKMATE_CERTIFY_TIMEOUT``; :mod:`hosts.protection`)."""
@@ -138,7 +141,9 @@ class CheckmateConfig:
             name = names[shard_key] if 0 <= shard_key < len(names) else None
             port = CHECKMATE_UDP_PORT
         control = self.shadow_control.get(name) if name is not None else None
-        return (control[0], port) if control is not None else None
+        if control is None or name is None:
+            return None
+        return (control[0], self.shadow_data_ports.get(name, port))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> CheckmateConfig:
@@ -251,6 +256,27 @@ def _protection_env(env: Mapping[str, str]) -> ProtectionPolicy:
         )
     except ValueError as exc:
         raise CheckmateConfigError(f"protection policy (CHECKMATE_MAX_LAG, ...): {exc}") from None
+
+
+def ask_shadow_data_ports(shadow_control: Mapping[str, Addr], job_id: int, timeout: float) -> dict[str, int]:
+    """Each shadow's data port, from its status (host replication sends its copies there, whatever
+    ``checkmate-shadow --data`` was given). A shadow that does not answer is left out (logged)."""
+    from checkmate.control import ShadowStatusError, query_status
+
+    ports: dict[str, int] = {}
+    for name, address in shadow_control.items():
+        try:
+            status = query_status(address, timeout, job_id)
+            ports[name] = int(status["data_address"][1])
+        except (ShadowStatusError, OSError, KeyError, TypeError, ValueError, IndexError) as exc:
+            logger.warning(
+                "checkmate: could not ask shadow %s at %s:%d for its data port (%s): host replication "
+                "sends its copies to the job's shadow port",
+                name,
+                *address,
+                exc,
+            )
+    return ports
 
 
 def _metrics_port_env(env: Mapping[str, str]) -> int | None:

@@ -60,6 +60,7 @@ class Maintenance(NodeState):
                 "time": time.time(),
                 "uptime_seconds": round(time.time() - self._started, 3),
                 "job_id": job.job_id if job else None,
+                "data_address": list(self.data_address),
                 "state": state,
                 "blocked": self._blocked,
                 "applied_iteration": self._applied,

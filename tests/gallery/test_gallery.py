@@ -34,7 +34,6 @@ import torch
 
 from checkmate import checkpoint as fmt
 from checkmate.checkpoint.shadow_memory import fetch_state
-from checkmate.wire import CHECKMATE_UDP_PORT
 from hosts.recovery import from_snapshots, workers_finished
 from shadow.node import ShadowConfig, ShadowNode
 from shadow.snapshots import SnapshotPolicy
@@ -121,7 +120,8 @@ def _shadows(directory: Path) -> list[ShadowNode]:
         config = ShadowConfig(
             name=f"s{i}",
             control_bind=(f"127.0.0.{SHADOW_HOST + i}", 0),
-            data_bind=(f"127.0.0.{SHADOW_HOST + i}", CHECKMATE_UDP_PORT),  # where host replication sends
+            # any free port: host replication asks each shadow where it listens (not the default 48879)
+            data_bind=(f"127.0.0.{SHADOW_HOST + i}", 0),
             snapshots=SnapshotPolicy(directory / "ckpt", every_iterations=1, keep=2),
         )
         nodes.append(ShadowNode(config).start())
