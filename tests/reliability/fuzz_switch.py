@@ -18,6 +18,7 @@ from pathlib import Path
 from checkmate.job import JobSpec
 from checkmate.network import Network, mac_to_int
 from controller.controller import Controller
+from embedded_switch.native import make_pipeline
 from embedded_switch.p4runtime_server import P4RuntimeServer
 from embedded_switch.pipeline import Pipeline
 from embedded_switch.state import SwitchState
@@ -60,7 +61,8 @@ class ProgrammedSwitch:
 
 
 @contextmanager
-def programmed_switch(tmp: Path) -> Iterator[ProgrammedSwitch]:
+def programmed_switch(tmp: Path, datapath: str = "python") -> Iterator[ProgrammedSwitch]:
+    """``datapath``: the pipeline's, ``python`` or ``native`` (embedded_switch.native)."""
     data = json.loads((REPO / "topologies" / "single.json").read_text())
     server = P4RuntimeServer(data["switches"][SWITCH]["device_id"], "127.0.0.1:0")
     data["switches"][SWITCH]["grpc"] = f"127.0.0.1:{server.start()}"
@@ -74,7 +76,7 @@ def programmed_switch(tmp: Path) -> Iterator[ProgrammedSwitch]:
         state = server.state
         assert state is not None
         yield ProgrammedSwitch(
-            network, server, state, Pipeline(state), SwitchModel.from_entities(entities), slots
+            network, server, state, make_pipeline(datapath, state), SwitchModel.from_entities(entities), slots
         )
     finally:
         server.stop(grace=0.1)

@@ -19,6 +19,7 @@ import pytest
 
 from checkmate import wire
 from checkmate.p4.p4info import load_p4info
+from embedded_switch import native
 from embedded_switch.pipeline import DropReason, Pipeline
 from embedded_switch.program import build_state
 from tests import switch_cases as sc
@@ -31,6 +32,11 @@ from tests.reliability.fuzz_frames import (
 )
 from tests.reliability.fuzz_switch import JOB_A, JOB_B, ProgrammedSwitch, programmed_switch
 from tests.reliability.record import Recorder
+
+DATAPATHS = [
+    "python",
+    pytest.param("native", marks=pytest.mark.skipif(not native.available(), reason="native path not built")),
+]
 
 QUICK_CASES = 6000
 SOAK_CASES = 100_000
@@ -168,9 +174,9 @@ def _valid_frames_still_replicate(sw: ProgrammedSwitch, tally_: Tally, rng: rand
     return checked
 
 
-def _fuzz(tmp_path: Path, cases: int, seed: int) -> tuple[Tally, int]:
+def _fuzz(tmp_path: Path, cases: int, seed: int, datapath: str = "python") -> tuple[Tally, int]:
     rng = random.Random(seed)
-    with programmed_switch(tmp_path) as sw:
+    with programmed_switch(tmp_path, datapath) as sw:
         t = Tally(sw)
         for _ in range(cases):
             base, port = _base_frames(sw, rng)
@@ -188,13 +194,14 @@ def _fuzz(tmp_path: Path, cases: int, seed: int) -> tuple[Tally, int]:
     return t, checked
 
 
-def test_fuzzed_frames_into_the_switch(tmp_path: Path, reliability: Recorder) -> None:
-    t, checked = _fuzz(tmp_path, QUICK_CASES, seed=10)
+@pytest.mark.parametrize("datapath", DATAPATHS)
+def test_fuzzed_frames_into_the_switch(tmp_path: Path, reliability: Recorder, datapath: str) -> None:
+    t, checked = _fuzz(tmp_path, QUICK_CASES, seed=10, datapath=datapath)
     assert t.verdicts["drop"] > QUICK_CASES // 4 and t.verdicts["replicate"] > 100  # the fuzz reached both
     reliability.record(
         area="bad input",
         case=f"fuzzed frames (random bytes and mutations: {tally(t.mutations)})",
-        target="switch (embedded pipeline, programmed by the controller)",
+        target=f"switch (embedded pipeline, {datapath} data path, programmed by the controller)",
         trials=QUICK_CASES,
         lost=0,
         held=t.held() + f"; afterwards {checked} valid tagged frames (every worker x shard) each copied "
