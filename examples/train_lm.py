@@ -362,8 +362,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             optimizer.step()
             checkpointer.after_step(iteration)
             certified = None
+            unprotected: dict[str, Any] = {}
             if agent is not None and agent.channel is not None:
                 certified = agent.channel.certified_through()
+                protection = agent.protection
+                if protection is not None and protection["reason"] is not None:
+                    unprotected["unprotected"] = protection["reason"]  # hosts.protection's verdict
             digest: dict[str, str] = {}
             if args.log_digests and rank == 0:
                 digest["params_sha256"] = parameters_digest(module.named_parameters())
@@ -373,6 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 lr=optimizer.param_groups[0]["lr"],
                 time=time.time(),
                 certified=certified,
+                **unprotected,
                 **digest,
             )
 

@@ -160,6 +160,7 @@ def print_summary(
         ("lost iterations", str(summary["lost_iterations"])),
         ("recovery time", recovery),
         ("shadow lag", f"mean {lag['mean']}, max {lag['max']} iteration(s)"),
+        ("protection", _protection(summary)),
         ("shadows == workers", yes_no(summary["shadow_equals_workers"])),
         ("recovered == uninterrupted", yes_no(summary["recovered_equals_uninterrupted"])),
         ("loss", f"{summary['first_loss']} -> {summary['final_loss']}"),
@@ -179,6 +180,16 @@ def print_summary(
     console.print(table)
     if json_path is not None and png_path is not None:
         console.print(f"wrote {_shown(json_path)} and {_shown(png_path)}")
+
+
+def _protection(summary: dict[str, Any]) -> str:
+    """Whether rank 0 found the shadows protecting the job at every iteration (hosts.protection)."""
+    count = summary.get("unprotected_iterations")
+    if count is None:
+        return "[dim]not recorded"
+    if count == 0:
+        return "[green]every iteration (certified within max_lag)"
+    return f"[red]UNPROTECTED at {count} iteration(s): {summary.get('unprotected_reason')}"
 
 
 def _shown(path: Path) -> str:

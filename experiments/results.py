@@ -35,6 +35,8 @@ class RunSeries:
     """incarnation -> rank 0's start record."""
     restored: dict[int, dict[str, Any]] = field(default_factory=dict)
     """incarnation -> rank 0's record of the state it restored (its digests)."""
+    unprotected: dict[int, dict[int, str]] = field(default_factory=dict)
+    """incarnation -> iteration -> why rank 0 found the job unprotected then (hosts.protection)."""
     digests: dict[int, dict[int, str]] = field(default_factory=dict)
     """incarnation -> iteration -> rank 0's parameter digest after it (``--log-digests`` runs)."""
     result: LaunchResult | None = None
@@ -52,6 +54,8 @@ class RunSeries:
         self.losses.setdefault(incarnation, {}).setdefault(iteration, []).append(float(record["loss"]))
         if rank == 0:
             self.certified.setdefault(incarnation, {})[iteration] = record.get("certified")
+            if record.get("unprotected"):
+                self.unprotected.setdefault(incarnation, {})[iteration] = str(record["unprotected"])
             self.times.setdefault(incarnation, {})[iteration] = float(record["time"])
 
     def mean_loss(self, incarnation: int) -> dict[int, float]:
@@ -134,6 +138,10 @@ class JobResult:
             "params_sha256": sorted(digests)[0] if len(digests) == 1 else sorted(digests),
             "shadow_params_sha256": (self.shadow_digest or {}).get("params_sha256"),
             "mean_iteration_ms": round(1000 * statistics.fmean(steps), 1) if steps else None,
+            "unprotected_iterations": sum(len(per) for per in self.main.unprotected.values()),
+            "unprotected_reason": next(
+                (r for per in self.main.unprotected.values() for r in per.values()), None
+            ),
             "shadow_lag_iterations": {
                 "mean": round(statistics.fmean(lags), 2) if lags else None,
                 "max": max(lags) if lags else None,

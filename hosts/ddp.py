@@ -289,6 +289,11 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
             return tuple(config.workers)
         return tuple((str(g[1][0]), int(g[1][1])) for g in gathered)
 
+    @property
+    def protection(self) -> dict[str, Any] | None:
+        """Rank 0: whether the shadows protect the job, the lag and why not (hosts.protection); else None."""
+        return self._protection.status() if self._protection is not None and self.rank == 0 else None
+
     # ---- teardown -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"transport": self.transport.stats(), "ring": self.ring.stats()}
