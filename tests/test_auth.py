@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from checkmate.auth import AuthConfigError, DatagramAuth, parse_secret, secret_from_env
+from checkmate.auth import AuthConfigError, DatagramAuth, GradientDigests, parse_secret, secret_from_env
 from checkmate.control import Commit, StatusRequest, encode_message, recv_message, send_message
 from checkmate.control_frame import (
     FRAME_TAG_BYTES,
@@ -205,3 +205,27 @@ def test_datagram_tags_cover_every_byte() -> None:
         flipped[i] ^= 1
         assert auth.open(memoryview(flipped)) is None, i
     assert DatagramAuth(SECRET, 4).open(memoryview(sealed)) is None  # another job's key
+
+
+def test_gradient_tags_cover_every_byte_and_only_the_job_makes_them() -> None:
+    rank0, shadow = GradientDigests(SECRET, 3), GradientDigests(SECRET, 3)
+    data = bytes(range(256)) * 5
+    rank0.record(7, 0, data)
+    rank0.record(7, 1, data[:100])
+    digests = rank0.take(7)
+    assert digests is not None and rank0.take(7) is None
+    assert shadow.check(digests, 0, data) is None and shadow.check(digests, 1, data[:100]) is None
+    for i in (0, 500, len(data) - 1):
+        flipped = bytearray(data)
+        flipped[i] ^= 1
+        assert shadow.check(digests, 0, flipped) == (
+            "its data is not what the workers reduced (injected or altered copies)"
+        )
+    assert shadow.check(digests, 1, data) is not None  # another bucket's tag
+    assert shadow.check(digests, 2, data) == "rank 0 sent no tag for it"
+    assert GradientDigests(OTHER, 3).check(digests, 0, data) is not None  # another job's key
+    assert GradientDigests(SECRET, 4).check(digests, 0, data) is not None
+    assert shadow.check({"run": "zz"}, 0, data) == "the commit's gradient tags are malformed"
+    rank0.record(8, 0, data)  # the same bytes again: another counter, another tag
+    again = rank0.take(8)
+    assert again is not None and again["buckets"]["0"] != digests["buckets"]["0"]

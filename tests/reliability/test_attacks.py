@@ -1018,7 +1018,7 @@ def test_spoofed_gradient_copies_are_never_applied_without_fingerprints(
         comparisons=comparisons,
         differed=differed,
         held=f"{refused}/{rounds} forged iterations refused before the apply (forged_gradient: the bucket's "
-        "Poly1305 tag in rank 0's commit did not match; the shadow asked rank 0 for fresh state); in "
+        "GMAC tag in rank 0's commit did not match; the shadow asked rank 0 for fresh state); in "
         f"{recovered}/{rounds} rounds the genuine copies sent after the refusal were then applied, in the "
         "others the state stayed rank 0's seed; never a forged value; a genuine iteration with its tag "
         "applied bit-equal to torch.optim.SGD",
