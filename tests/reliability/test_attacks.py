@@ -877,7 +877,7 @@ def test_defaults_let_nobody_in(tmp_path: Path, reliability: Recorder) -> None:
 
     case = (
         "defaults: P4Runtime and metrics addresses, TLS without client certificates, plaintext off "
-        "loopback, a group/world-readable secret file, the modes of a shadow's snapshot files"
+        "loopback, a group/world-readable secret file, the modes of a shadow's snapshot and status files"
     )
     compared = "per default: open to others (differed) or closed"
     reliability.begin(area="bad input", case=case, target="switch, shadow, job secret", compared=compared)
@@ -943,6 +943,7 @@ def test_defaults_let_nobody_in(tmp_path: Path, reliability: Recorder) -> None:
     ]
     written = sum(1 for _ in (tmp_path / "snapshots").rglob("*"))
     checks[f"snapshot files and directories private ({written} written)"] = not loose and written > 0
+    checks["status file private"] = stat.S_IMODE((tmp_path / "status.json").stat().st_mode) == 0o600
     comparisons = len(checks)
     differed = sum(not closed for closed in checks.values())
     reliability.compare(comparisons, differed)
