@@ -152,6 +152,7 @@ def job_cli(
     assert main([*base, "pipeline", "push"]) == 0
     secret = tmp_path / "job.secret"  # the fake and real shadows here hold the tests' secret
     secret.write_text(os.environ["CHECKMATE_JOB_SECRET"])
+    secret.chmod(0o600)  # a secret file others may read is refused (docs/security.md)
     job = ["--job-id", "7", "--workers", "h1,h2,h3,h4", "--shadows", "sh1,sh2", "--secret-file", str(secret)]
     assert main([*base, "job", "add", *job]) == 0
     for _ in range(2):
