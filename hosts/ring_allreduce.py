@@ -197,6 +197,10 @@ def reference_allreduce(inputs: Sequence[torch.Tensor], op: ReduceOp = ReduceOp.
 
 _RS_DONE = 1
 _FINAL = 2
+_SPARE_BUFFERS = 32
+"""Most released result buffers a ring keeps for reuse."""
+_storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+"""References to a tensor storage (torch internals; without it nothing is reused)."""
 
 
 @dataclass
@@ -220,6 +224,9 @@ class _Op:
     remaining: int
     shard_key: int
     deadline: float
+    result: torch.Tensor | None = None
+    """What the caller gets: ``work``, or on the native path a view of it (the view's life tells
+    when the buffer may be reused, :meth:`RingAllReduce._buffer`)."""
     future: torch.futures.Future[torch.Tensor] = field(default_factory=torch.futures.Future)
     done: bool = False
     failed: bool = False
@@ -247,6 +254,8 @@ class RingAllReduce:
         self.tag_log: deque[TagRecord] = deque(maxlen=tag_log_size)
         self.on_tag: Callable[[TagRecord], None] | None = None
         self._stop = threading.Event()
+        self._spare: list[torch.Tensor] = []
+        """Result buffers of released ops, reusable once nothing else refers to them (native path)."""
         self._watch_event = threading.Event()
         self._watch_deadline = float("inf")
         """The earliest deadline the watchdog sleeps towards (``inf``: no op running, until woken)."""
@@ -291,14 +300,14 @@ class RingAllReduce:
             flat = flat.to("cpu")  # through host memory; a fresh tensor
             work = flat.div_(self.world) if op is ReduceOp.AVG else flat
         elif op is ReduceOp.AVG:
-            work = torch.div(flat, self.world)
+            work = torch.div(flat, self.world, out=self._buffer(flat))
         elif dtype is DType.FP32:
             # SUM: no copy of the input. This rank's chunk is sent from it, and every other slot
             # of the result is written once from it (input + arriving partial sum) or stored.
             source = flat.contiguous()
-            work = torch.empty_like(source)
+            work = self._buffer(source)
         else:
-            work = flat.clone()
+            work = self._buffer(flat).copy_(flat)
         work = work.contiguous()
         per = MAX_PAYLOAD_BYTES // dtype.itemsize
         grid = slot_grid(work.numel(), self.world, per)
@@ -318,6 +327,7 @@ class RingAllReduce:
             remaining=len(grid.offsets),
             shard_key=self.config.shard_key_for_bucket(bucket_id),
             deadline=time.monotonic() + self.config.timeout,
+            result=work.view(-1) if self._native is not None else work,
         )
         completed: list[_Op] = []
         key = (iteration, bucket_id)
@@ -386,7 +396,7 @@ class RingAllReduce:
         """The kept result of a completed bucket, or None."""
         with self._lock:
             record = self._ops.get((iteration, bucket_id))
-            return record.work if record is not None and record.done else None
+            return record.result if record is not None and record.done else None
 
     def release_through(self, iteration: int) -> None:
         """Forget reduced buckets of iterations <= ``iteration`` (the shadows confirmed them)."""
@@ -426,9 +436,30 @@ class RingAllReduce:
         if self._native is not None:
             self._native.engine.release_through(self.config.job_id, through)
         for key in [k for k, v in self._ops.items() if k[0] <= through and (v.done or v.failed)]:
-            del self._ops[key]
+            record = self._ops.pop(key)
+            if self._native is not None:  # its result buffer was made here (_buffer, or the copy to host)
+                self._spare.append(record.work)  # reused once nothing else refers to it
+        del self._spare[:-_SPARE_BUFFERS]
         for key in [k for k in self._stash if k[0] <= through]:
             self._stash_bytes -= sum(len(p) for _, p in self._stash.pop(key))
+
+    def _buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A flat CPU tensor of ``like``'s dtype and size for a result (uninitialised).
+
+        The native path reuses the buffer of a released op that nothing refers to any more (its
+        result view, the engine's hold and every numpy view gone: one storage reference left), so
+        a job whose buckets repeat does not fault in fresh pages every iteration (about 4,000
+        page faults per 16 MiB). The Python path, the reference, always allocates.
+        """
+        if self._native is not None and _storage_use_count is not None:
+            with self._lock:
+                for i, spare in enumerate(self._spare):
+                    if spare.dtype == like.dtype and spare.numel() == like.numel():
+                        if _storage_use_count(spare.untyped_storage()._cdata) <= 2:  # spare + this call's
+                            del self._spare[i]
+                            self._count("buffers_reused")
+                            return spare
+        return torch.empty(like.numel(), dtype=like.dtype)
 
     def _send(self, record: _Op, slot: int, flags: int, view: memoryview | None = None) -> None:
         grid = record.grid
@@ -594,7 +625,7 @@ class RingAllReduce:
     def _complete(self, completed: list[_Op]) -> None:
         for record in completed:
             self._count("ops_completed")
-            record.future.set_result(record.work)
+            record.future.set_result(record.result if record.result is not None else record.work)
 
     def _fail_all_locked(self, error: CollectiveError | PeerTimeoutError) -> None:
         if self._failed is None:

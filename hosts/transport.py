@@ -66,6 +66,13 @@ this module (:class:`Transport`: set-up, jobs, statistics,     ``_lock`` for job
 public send API)
 =============================  ==============================  =====================================
 
+The native data path. With ``TransportConfig.datapath == "native"`` (the default where
+:mod:`hosts.native` built) none of the threads above start: :class:`hosts.transport_native.NativeDatapath`
+serves the socket from one compiled thread (reads, checks, flows, timers, the ring's reduce and
+forward; docs/protocol.md, "The native data path") and Python runs per bucket and for rare
+events. The Python layers stay the reference implementation (``datapath="python"``,
+``CHECKMATE_TRANSPORT=python``).
+
 ``_lock`` is taken before ``_out_lock``/``_write_lock`` (a send under ``_lock`` queues and may
 write), never after; inside :meth:`Transport.batch` a sender holding ``_lock`` only queues.
 """

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,16 @@ def _stop_all() -> None:
     """Stop every engine thread before the interpreter goes away (they take the GIL for events)."""
     for datapath in list(_live):
         datapath.stop()
+
+
+def _forget_all() -> None:
+    """In a child after fork (a DataLoader worker): the parent's engines have no thread here."""
+    for datapath in list(_live):
+        datapath._stopped = True
+        datapath.engine.forget()
+
+
+os.register_at_fork(after_in_child=_forget_all)
 
 
 class NativeDatapath:

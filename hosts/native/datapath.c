@@ -1401,6 +1401,7 @@ static void reap_zombies(Engine *e) {
 /* ---- the thread --------------------------------------------------------------------------- */
 static void *rx_main(void *arg) {
     Engine *e = arg;
+    pthread_setname_np(pthread_self(), "cm-native");
     struct mmsghdr msgs[RX_VLEN];
     struct iovec iovs[RX_VLEN];
     struct sockaddr_in addrs[RX_VLEN];
@@ -1603,6 +1604,17 @@ static void engine_stop(Engine *e) {
     (void)r;
     Py_BEGIN_ALLOW_THREADS pthread_join(e->thread, NULL);
     Py_END_ALLOW_THREADS e->running = 0;
+}
+
+/* In a child after fork(): the thread is not there and the mutex may have been held by it.
+ * The copy stops being an engine (its memory is still freed on dealloc). */
+static PyObject *Engine_forget(Engine *e, PyObject *unused) {
+    (void)unused;
+    if (e->rxbuf == NULL) Py_RETURN_NONE;
+    pthread_mutex_init(&e->mu, NULL);
+    e->running = 0;
+    e->stop = 1;
+    Py_RETURN_NONE;
 }
 
 static PyObject *Engine_stop(Engine *e, PyObject *unused) {
@@ -2233,6 +2245,7 @@ static PyObject *reduce_into(PyObject *self, PyObject *args) {
 static PyMethodDef Engine_methods[] = {
     {"start", (PyCFunction)Engine_start, METH_NOARGS, "Start the engine's thread."},
     {"stop", (PyCFunction)Engine_stop, METH_NOARGS, "Stop and join the engine's thread."},
+    {"forget", (PyCFunction)Engine_forget, METH_NOARGS, "In a forked child: drop the parent's thread."},
     {"add_job", (PyCFunction)Engine_add_job, METH_VARARGS, "add_job(job, rank, [(rank, (ip, port))], key32)"},
     {"remove_job", (PyCFunction)Engine_remove_job, METH_VARARGS, "remove_job(job)"},
     {"ring_add", (PyCFunction)Engine_ring_add, METH_VARARGS,

@@ -415,3 +415,46 @@ def test_datagram_auth_key_matches_the_engine_key() -> None:
     message = b"x" * 40
     assert auth.tag([message]) == hmac.digest(key, message, "sha256")[:16]
     assert np.frombuffer(key, dtype=np.uint8).size == 32
+
+
+def test_a_forked_child_closes_its_copy_of_a_native_transport() -> None:
+    import os
+    import signal
+
+    transport = Transport(TransportConfig(bind=("127.0.0.51", 0)))
+    assert transport.datapath == "native"
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child (a DataLoader worker, say): the engine's thread is not here
+            signal.alarm(10)
+            try:
+                transport.close()
+                from hosts.transport_native import _stop_all
+
+                _stop_all()
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        assert transport.stats()["flows.send"] == 0  # the parent's engine still answers
+    finally:
+        transport.close()
+
+
+def test_result_buffers_are_reused_only_when_nobody_holds_them() -> None:
+    rings = _ring(2, "native", base=110)
+    try:
+        kept: torch.Tensor | None = None
+        for iteration in range(12):
+            xs = _inputs(2, 5000, torch.float32, iteration)
+            futures = [
+                r.allreduce_async(iteration, 0, x, ReduceOp.SUM) for r, x in zip(rings, xs, strict=True)
+            ]
+            outs = [f.wait() for f in futures]
+            assert torch.equal(outs[0], reference_allreduce(xs, ReduceOp.SUM))
+            if iteration == 0:
+                kept, want = outs[0], outs[0].clone()
+        assert kept is not None and torch.equal(kept, want)  # held by the caller: never reused
+        assert rings[0].stats().get("buffers_reused", 0) > 0  # the others were
+    finally:
+        _close(rings)
