@@ -18,5 +18,30 @@ parallel job holds:
 * :mod:`.zero` — a minimal flat-partition ZeRO-1 Adam (for the CPU runs);
 * :mod:`.shadow_merge` — TP-sharded shadow snapshots merged into atoms (design piece);
 * :mod:`.tiny`, :mod:`.runs`, :mod:`.reshard_demo` — the tiny transformer, its
-  multi-rank CPU runs and the loss-across-layouts figure.
+  multi-rank CPU runs and the loss-across-layouts figure;
+* :mod:`.live` — the layout, rank and shapes a live module's DTensors and FSDP2
+  parameters describe.
+
+The public names (README's example uses only these): :func:`save_universal`,
+:func:`load_module`, :class:`ReshapeSpec`, :class:`ReshapeRule`,
+:class:`Layout`, :class:`LayoutError`, :func:`describe_module`, and
+``checkmate.checkpoint.CheckpointReader``.
 """
+
+from __future__ import annotations
+
+from checkmate.universal.layout import Layout
+from checkmate.universal.live import describe_module
+from checkmate.universal.load import load_module
+from checkmate.universal.save import save_universal
+from checkmate.universal.spec import LayoutError, ReshapeRule, ReshapeSpec
+
+__all__ = [
+    "Layout",
+    "LayoutError",
+    "ReshapeRule",
+    "ReshapeSpec",
+    "describe_module",
+    "load_module",
+    "save_universal",
+]

@@ -30,6 +30,7 @@ gate_up, w13, ...) that TP splits under a rule without ``parts``.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from checkmate.universal.layout import Layout
-from checkmate.universal.spec import LayoutError
+from checkmate.universal.spec import FUSED_NAME, REPLICATED, LayoutError, ReshapeRule, ReshapeSpec
 
 logger = logging.getLogger(__name__)
 
@@ -220,3 +221,23 @@ def describe_module(module: nn.Module, layout: Layout | None = None, rank: int |
         mesh.update(dict(item.fsdp_mesh))
         mesh.update(dict(item.tp_mesh))
     return LiveLayout(layout, rank, parameters, mesh)
+
+
+def with_live_rules(spec: ReshapeSpec, live: LiveLayout) -> ReshapeSpec:
+    """``spec`` plus a rule for every TP-split parameter no rule names: its ``cat_dim`` from the placement.
+
+    What a DTensor says needs no rule; what it cannot say (fused ``parts``,
+    ``head_dim``, ``vocab`` padding, ``average``) does, and a fused-looking
+    name gets no derived rule (it is refused where it is split).
+    """
+    derived = [
+        ReshapeRule(re.escape(name), cat_dim=item.tp_dim)
+        for name, item in sorted(live.parameters.items())
+        if item.tp_dim is not None
+        and item.tp_degree > 1
+        and spec.rule(name) is REPLICATED
+        and not FUSED_NAME.search(name)
+    ]
+    if not derived:
+        return spec
+    return ReshapeSpec(spec.rules + tuple(derived), spec.layer_pattern, spec.first_stage, spec.ties)

@@ -33,7 +33,7 @@ from checkmate.universal.layout import (
     stage_names,
     storage_pieces,
 )
-from checkmate.universal.live import LiveLayout, LiveParameter, describe_module
+from checkmate.universal.live import LiveLayout, LiveParameter, describe_module, with_live_rules
 from checkmate.universal.spec import (
     LayoutError,
     ReshapeSpec,
@@ -278,10 +278,10 @@ def load_module(
     defaults to this process's rank. Everything is read and checked (checksums,
     optimizer state complete, names, shapes, groups) before anything is copied.
     """
-    spec = resolve_spec(reader, spec)
-    shapes = checkpoint_shapes(reader)
     live = describe_module(module, layout, rank)
     layout, rank = live.layout, live.rank
+    spec = with_live_rules(resolve_spec(reader, spec), live)
+    shapes = checkpoint_shapes(reader)
     holdings = module_holdings(module, spec, layout, rank, shapes, live)
     boxes = box_reader or BoxReader(reader)
     named = dict(module.named_parameters())

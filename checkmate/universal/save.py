@@ -33,7 +33,7 @@ from checkmate.job_state import JobState
 from checkmate.universal.extract import AtomMerger, Record, records_of_tensor
 from checkmate.universal.geometry import numel, whole
 from checkmate.universal.layout import Layout, LocalTensor
-from checkmate.universal.live import LiveLayout, describe_module
+from checkmate.universal.live import LiveLayout, describe_module, with_live_rules
 from checkmate.universal.load import _local, module_holdings, optimizer_meta, stage_local_names
 from checkmate.universal.rank_files import read_rank_records, write_rank_file
 from checkmate.universal.spec import LayoutError, ReshapeSpec
@@ -101,9 +101,9 @@ def save_universal(
     shape (required for vocabulary-padded parameters and pipeline stages).
     ``job_state`` (rank 0's: buffers, scheduler, ...) goes into global.json as is.
     """
-    spec = spec or ReshapeSpec()
     live = describe_module(module, layout)
     layout, rank = live.layout, live.rank
+    spec = with_live_rules(spec or ReshapeSpec(), live)
     if shapes is None:
         shapes = _gathered_shapes(live_shapes(module, live, spec))
     holdings = module_holdings(module, spec, layout, rank, shapes, live)
