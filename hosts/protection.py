@@ -104,7 +104,7 @@ class VerdictBoard:
             from torch.distributed.distributed_c10d import _get_default_store
 
             return cls(_get_default_store(), job_id)
-        except (RuntimeError, ImportError) as exc:
+        except (RuntimeError, ValueError, ImportError) as exc:
             logger.warning("checkmate: no process-group store (%s): only rank 0 raises when unprotected", exc)
             return None
 
@@ -170,6 +170,7 @@ class ProtectionWatch:
         self.waits = 0
         self.wait_seconds = 0.0
         self._published: tuple[int, str] | None = None
+        self._checked: int | None = None
 
     # ---- rank 0 -----------------------------------------------------------------------
     def after_commit(
@@ -255,8 +256,9 @@ class ProtectionWatch:
     # ---- every rank -------------------------------------------------------------------
     def before_forward(self, iteration: int) -> None:
         """Every rank, at ``iteration``'s forward pass: raise a published verdict (same iteration on all)."""
-        if (iteration - self.start_iteration) % CHECK_EVERY:
-            return
+        if (iteration - self.start_iteration) % CHECK_EVERY or iteration == self._checked:
+            return  # not a check iteration, or looked already (several forward passes per iteration)
+        self._checked = iteration
         verdict = self._published if self.rank == 0 or self.board is None else self.board.read()
         if verdict is not None and verdict[0] < iteration:
             if self.board is not None:
