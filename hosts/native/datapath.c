@@ -253,6 +253,10 @@ typedef struct {
     double deadline;
     /* receive buffers */
     uint8_t *rxbuf;
+    Item *spare_items; /* freed items kept for reuse (no malloc/free per datagram) */
+    uint32_t n_spare_items;
+    struct Stash *spare_stash; /* freed stash entries (all of the largest size), kept for reuse */
+    uint32_t n_spare_stash;
 } Engine;
 
 static double mono(void) {
@@ -551,10 +555,27 @@ static void emit_control(Engine *e, Job *j, const uint8_t *hdr, const uint8_t *p
 /* ---- send flows --------------------------------------------------------------------------- */
 static void op_unref(Engine *e, Op *op);
 
+#define SPARE_ITEMS 16384
+
 static void item_free(Engine *e, Item *it) {
     if (it->op) op_unref(e, it->op);
     free(it->owned);
-    free(it);
+    if (e->n_spare_items < SPARE_ITEMS) {
+        it->qnext = e->spare_items;
+        e->spare_items = it;
+        e->n_spare_items++;
+    } else {
+        free(it);
+    }
+}
+
+static Item *item_new(Engine *e) {
+    Item *it = e->spare_items;
+    if (it == NULL) return calloc(1, sizeof *it);
+    e->spare_items = it->qnext;
+    e->n_spare_items--;
+    memset(it, 0, sizeof *it);
+    return it;
 }
 
 static void tap_event(Engine *e, Item *it, const struct sockaddr_in *peer, int retransmit) {
@@ -689,7 +710,7 @@ static int send_item(Engine *e, Job *j, const struct sockaddr_in *peer, const ui
         free(owned);
         return -3;
     }
-    Item *it = calloc(1, sizeof *it);
+    Item *it = item_new(e);
     if (it == NULL) {
         free(owned);
         return -2;
@@ -1148,6 +1169,29 @@ static Op *find_op(Job *j, uint32_t iteration, uint32_t bucket) {
     return NULL;
 }
 
+#define SPARE_STASH 2048 /* up to 18 MB of early datagrams' buffers kept between iterations */
+
+/* A stash entry big enough for any datagram: entries are allocated in the engine's thread and
+ * freed where a bucket starts, so freeing them to malloc would trim and refault its arena every
+ * iteration (measured: ~440 page faults per 1.8 MB trimmed). */
+static Stash *stash_new(Engine *e) {
+    Stash *s = e->spare_stash;
+    if (s == NULL) return malloc(sizeof(Stash) + HDR + MAX_PAYLOAD);
+    e->spare_stash = s->next;
+    e->n_spare_stash--;
+    return s;
+}
+
+static void stash_free(Engine *e, Stash *s) {
+    if (e->n_spare_stash < SPARE_STASH) {
+        s->next = e->spare_stash;
+        e->spare_stash = s;
+        e->n_spare_stash++;
+    } else {
+        free(s);
+    }
+}
+
 /* RingAllReduce._on_fields after the transport accepted the datagram. */
 static void ring_data(Engine *e, Job *j, const uint8_t *d, size_t n) {
     if (rd16(d + 14) != (uint32_t)j->prev_rank) {
@@ -1166,7 +1210,7 @@ static void ring_data(Engine *e, Job *j, const uint8_t *d, size_t n) {
         } else if (j->stash_bytes + plen > j->max_stash_bytes) {
             ring_count(e, j, C_DROP_STASH_FULL);
         } else {
-            Stash *s = malloc(sizeof(Stash) + n);
+            Stash *s = n <= HDR + MAX_PAYLOAD ? stash_new(e) : NULL;
             if (s == NULL) {
                 ring_count(e, j, C_DROP_STASH_FULL);
                 return;
@@ -1637,7 +1681,7 @@ static void free_job(Job *j, Engine *e) {
     Stash *s = j->stash;
     while (s) {
         Stash *next = s->next;
-        free(s);
+        stash_free(e, s);
         s = next;
     }
     free(j->peer_rank);
@@ -1904,7 +1948,7 @@ static PyObject *Engine_op_start(Engine *e, PyObject *args) {
         Stash *next = ordered->next;
         j->stash_bytes -= ordered->len - HDR;
         if (!op->failed) ring_apply(e, j, op, ordered->data, ordered->len);
-        free(ordered);
+        stash_free(e, ordered);
         ordered = next;
     }
     if (op->remaining == 0 && !op->done) {
@@ -1948,7 +1992,7 @@ static PyObject *Engine_release_through(Engine *e, PyObject *args) {
             if ((int64_t)s->iteration <= through) {
                 *sp = s->next;
                 j->stash_bytes -= s->len - HDR;
-                free(s);
+                stash_free(e, s);
             } else {
                 sp = &s->next;
             }
@@ -2189,6 +2233,16 @@ static void Engine_dealloc(Engine *e) {
             Event *next = ev->next;
             free(ev);
             ev = next;
+        }
+        while (e->spare_stash) {
+            Stash *next = e->spare_stash->next;
+            free(e->spare_stash);
+            e->spare_stash = next;
+        }
+        while (e->spare_items) {
+            Item *next = e->spare_items->qnext;
+            free(e->spare_items);
+            e->spare_items = next;
         }
         free(e->held);
         free(e->sflows);
