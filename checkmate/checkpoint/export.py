@@ -54,8 +54,15 @@ def export_dcp(reader: CheckpointReader, output: Path) -> Path:
 
     model = {name: reader.parameter(name) for name in reader.parameters}
     optim = {"state": _optimizer_states(reader), "param_groups": _param_groups(reader)}
+    from torch.distributed.checkpoint.api import CheckpointException
+
     output.mkdir(parents=True, exist_ok=True)
-    dcp.save({"model": model, "optim": optim}, checkpoint_id=str(output), no_dist=True)
+    try:
+        dcp.save({"model": model, "optim": optim}, checkpoint_id=str(output), no_dist=True)
+    except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+        from checkmate.universal.interop import dcp_failure
+
+        raise CheckpointError(f"{output}: torch DCP could not write it ({dcp_failure(exc)})") from None
     from checkmate.universal.interop import record_dcp_layout
     from checkmate.universal.spec import spec_of_checkpoint
 
