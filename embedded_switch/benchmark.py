@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import pstats
+import resource
 import shutil
 import socket
 import struct
@@ -435,6 +436,42 @@ def summarize(runs: Sequence[RunResult]) -> list[RunResult]:
     return out
 
 
+def send_floor(bed: testbed.Testbed, frame_bytes: int, seconds: float = 1.0) -> dict[str, float] | None:
+    """The kernel's cost of one frame into a veth, with no switch: what each copy out costs at least.
+
+    Sends with sendmmsg (batches of 32) from this process into the host end of the next
+    hop's veth for ``seconds`` (before any switch runs: nothing reads the switch end, the
+    frames die in its namespace's stack, as the switch's copies die in the host namespace)
+    and returns frames/s and CPU microseconds per frame (user and system, getrusage). None
+    without the native extension.
+    """
+    sender = _native_sender()
+    if sender is None:
+        return None
+    frames = make_frames(Scenario("unicast", False, frame_bytes))
+    with testbed.in_namespace(bed.host_ns):
+        sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)
+    try:
+        sock.bind((bed.host_ifaces[NEXT_HOP], testbed.ETH_P_ALL))
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        sent = i = 0
+        while time.perf_counter() - t0 < seconds:
+            ok, _failed = sender(sock.fileno(), frames, i, 32)
+            sent += ok
+            i += 32
+        r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    finally:
+        sock.close()
+    user, system = r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime
+    return {
+        "frame_bytes": frame_bytes,
+        "frames_per_s": sent / (t1 - t0),
+        "cpu_us_per_frame": 1e6 * (user + system) / max(sent, 1),
+        "sys_us_per_frame": 1e6 * system / max(sent, 1),
+        "cpu_share": (user + system) / (t1 - t0),
+    }
+
+
 def bmv2_missing() -> str | None:
     """Why BMv2 cannot run here, or None."""
     if shutil.which("simple_switch_grpc") is None:
@@ -519,7 +556,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[RunResult] = []
     every_run: list[RunResult] = []
     profile_path: Path | None = None
+    floors: list[dict[str, float]] = []
     with testbed.testbed([SENDER, NEXT_HOP, SHADOW], prefix="cmb") as bed:
+        for size in sizes:
+            floor = send_floor(bed, size)
+            if floor is not None:
+                floors.append(floor)
+                print(
+                    f"kernel floor, {size} B into a veth with no switch: "
+                    f"{floor['frames_per_s']:.0f} frames/s sent at {floor['cpu_share']:.2f} of a CPU, "
+                    f"{floor['cpu_us_per_frame']:.2f} us CPU per frame"
+                )
         passes: list[tuple[str, str, str, list[str]]] = [("plain", kind, dp, []) for kind, dp in targets]
         if args.profile and ("embedded", "python") in targets:
             profile_path = bed.workdir / "io-thread.prof"
@@ -572,6 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "generator": "sendmmsg" if native.available() else "send",
         "summary": [{**asdict(r), "cpu_us_per_packet": r.cpu_us_per_packet} for r in results],
         "over_bmv2": versus,
+        "kernel_send_floor": floors,
         "runs": [{**asdict(r), "cpu_us_per_packet": r.cpu_us_per_packet} for r in every_run],
     }
     args.json.write_text(json.dumps(document, indent=2) + "\n")
