@@ -415,14 +415,19 @@ class JobRun:
                     )
 
         def before_start(incarnation: int, workers: tuple[str, ...]) -> dict[str, str] | None:
+            env: dict[str, str] = {}
+            if with_shadows and config.shadows_fail_too and incarnation > 0:
+                # The shadows were stopped on purpose: the rest of the run is unprotected by design,
+                # so it trains on and says so (hosts.protection would otherwise stop it, loudly).
+                env.update(CHECKMATE_UNPROTECTED="log", CHECKMATE_ON_LAG="continue")
             if not with_shadows or tuple(workers) == tuple(config.workers):
-                return None
+                return env or None
             # Another ring: the switch must copy on the new ring links, and the workers need
             # a job file listing it.
             self.ctl("job", "resize", str(config.job_id), "--workers", ",".join(workers))
             path = self.work / f"job-file-{incarnation}.json"
             self.write_job_file(path, with_shadows=True, job=self.show_job()["job"], workers=workers)
-            return {"CHECKMATE_JOB_FILE": str(path)}
+            return {**env, "CHECKMATE_JOB_FILE": str(path)}
 
         launch = self.launch_config(log_dir, job_file, kills, reference=series.name != "main")
         self._launcher = Launcher(self.hooks.launch(launch), on_record, on_event, before_start)

@@ -32,7 +32,9 @@ try:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    (args.out / f"rank{rank}.done").write_text(str(agent.stats().get("protection")))
+    protection = agent.stats().get("protection")
+    agent.close()  # collective: no rank leaves while another still needs its datagrams
+    (args.out / f"rank{rank}.done").write_text(str(protection))
 except hosts.UnprotectedError as exc:
     (args.out / f"rank{rank}.err").write_text(f"{iteration} {type(exc).__name__}: {exc}")
 os._exit(0)
