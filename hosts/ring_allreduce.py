@@ -613,7 +613,7 @@ class RingAllReduce:
         if record.array is not None:
             part = record.array[lo:hi]
             mine = part if record.source is None else record.source[lo:hi]
-            with np.errstate(invalid="ignore", over="ignore"):  # inf/NaN gradients (a GradScaler overflow) are data
+            with np.errstate(invalid="ignore", over="ignore"):  # inf/NaN (GradScaler overflow) is data
                 np.add(mine, np.frombuffer(payload, dtype="<f4"), out=part)
         else:
             record.work[lo:hi].add_(payload_tensor(payload, record.dtype))
