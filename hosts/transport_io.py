@@ -238,7 +238,9 @@ class TransportIO:
                 elif now >= deadline:
                     self._bump("send_blocked")
                     return False
-                select.select([], [self._sock], [], deadline - now)
+                poller = select.poll()  # not select(): no limit on the descriptor's number
+                poller.register(self._sock, select.POLLOUT)
+                poller.poll(max(0.0, deadline - now) * 1000.0)
             except OSError as exc:
                 if self._stop.is_set():
                     return False
