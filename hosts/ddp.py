@@ -167,14 +167,6 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
             # no switch: the owner of each chunk sends the copy to the port the shadow listens on
             ports = ask_shadow_data_ports(config.shadow_control, config.job_id, config.shadow_connect_timeout)
             config = self.config = dataclasses.replace(config, shadow_data_ports=ports)
-        host_mode = _replication_mode(config.replication) == "host"
-        if host_mode and config.datapath == "native":
-            # Host replication runs the ring in Python (one event per datagram from the native
-            # engine); under load that mix stalled rank 0 (ring all-reduce and ACK timeouts in the
-            # gallery and the benchmark's host-mode systems), so such a job uses the Python data
-            # path throughout until the native ring learns host replication (docs/architecture.md).
-            logger.info("checkmate: host replication runs on the Python data path")
-            config = self.config = dataclasses.replace(config, datapath="python")
         self.transport = Transport(
             TransportConfig(
                 bind=config.bind,

@@ -269,12 +269,19 @@ class RingAllReduce:
             on_failure=self._on_peer_failure,
             on_data_fields=self._on_fields,
         )
-        self._native = transport.native if config.host_replica is None else None
-        """The transport's compiled data path when this ring's datagrams run in it (not in
-        host-replication mode, which stays on the Python path); None: :meth:`_on_fields` does."""
+        self._native = transport.native
+        """The transport's compiled data path when this ring's datagrams run in it; None:
+        :meth:`_on_fields` does. In host-replication mode the engine sends the copies too, to the
+        addresses :meth:`_native_replica` tells it as shard keys first appear."""
+        self._replicas_told: set[int] = set()
         if self._native is not None:
             self._native.add_ring(
-                config.job_id, self.world, config.future_iterations, config.max_stash_bytes, self._native_done
+                config.job_id,
+                self.world,
+                config.future_iterations,
+                config.max_stash_bytes,
+                self._native_done,
+                host_mode=config.host_replica is not None,
             )
         self._watchdog = threading.Thread(target=self._watch, name=f"cm-ring-{self.rank}", daemon=True)
         self._watchdog.start()
@@ -346,6 +353,8 @@ class RingAllReduce:
                 self._release_locked(iteration - self.config.keep_iterations)
             self._count("ops_started")
         if self._native is not None:
+            if self.config.host_replica is not None and record.shard_key not in self._replicas_told:
+                self._native_replica(record.shard_key)
             # the engine sends this rank's chunk, applies what arrived early, and from then on
             # reduces and forwards every datagram itself; _native_done completes the future
             self._native.engine.op_start(
@@ -572,6 +581,13 @@ class RingAllReduce:
             self._send(record, slot, _NONE)
         else:
             self._drop("unexpected_slot")
+
+    def _native_replica(self, shard_key: int) -> None:
+        """Tell the engine where host replication sends ``shard_key``'s copies (once per key)."""
+        assert self._native is not None and self.config.host_replica is not None
+        replica = self.config.host_replica(shard_key)
+        self._native.engine.ring_replica(self.config.job_id, shard_key, replica)
+        self._replicas_told.add(shard_key)
 
     def _native_done(self, iteration: int, bucket_id: int) -> None:
         """The engine completed an op (its thread, or the one that started the op)."""

@@ -11,7 +11,7 @@ RTO) and sleeps until its next deadline. Python sees only what is not per datagr
 * ``EV_RAW``: a datagram the engine leaves to the Python checks (repair requests, runts, unknown
   types): :meth:`hosts.transport_receive.Receiver._handle_datagram`;
 * ``EV_DATA``: an accepted DATA datagram of a job without a native ring (a plain ``add_job``
-  handler, or a ring in host-replication mode), delivered to its handler;
+  handler), delivered to its handler;
 * ``EV_TAP``: a reliable transmission, while ``Transport.tap`` or ``Transport.copy_hook`` is set.
 
 Events are dispatched on the engine's thread (with the GIL, the engine's mutex released) or on
@@ -114,11 +114,21 @@ class NativeDatapath:
         self.engine.remove_job(job_id)
 
     def add_ring(
-        self, job_id: int, world: int, future_iterations: int, max_stash_bytes: int, on_done: OpDoneHandler
+        self,
+        job_id: int,
+        world: int,
+        future_iterations: int,
+        max_stash_bytes: int,
+        on_done: OpDoneHandler,
+        host_mode: bool = False,
     ) -> None:
-        """Reduce and forward ``job_id``'s DATA in the engine; ``on_done`` hears of completed ops."""
+        """Reduce and forward ``job_id``'s DATA in the engine; ``on_done`` hears of completed ops.
+
+        ``host_mode``: host replication (no switch): REPLICATE stays off the wire and the owner of
+        each reduced slot sends it once more, outside any flow, to the address
+        ``engine.ring_replica`` set for its shard key."""
         self._done[job_id] = on_done
-        self.engine.ring_add(job_id, world, future_iterations, max_stash_bytes)
+        self.engine.ring_add(job_id, world, future_iterations, max_stash_bytes, host_mode)
 
     # ---- sending ----------------------------------------------------------------------
     def send(self, peer: Addr, job_id: int, header_bytes: bytes | bytearray, payload: Any) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from shadow.metrics import shadow_collector
 from shadow.node import ShadowConfig, ShadowNode
 from shadow.repair import RepairPolicy
 from tests.hosts.harness import run_ranks
+from tests.listen_ports import listen_port
 from tests.shadow.copy_tap import CopyFaults
 
 JOB_ID = 23
@@ -55,12 +55,6 @@ def value(samples: dict[Any, float], name: str, **labels: str) -> float | None:
         if sample == name and all(dict(got).get(k) == want for k, want in labels.items()):
             return v
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _train(
@@ -130,7 +124,7 @@ def test_shadow_and_agent_metrics_during_a_run() -> None:
         for i in range(2)
     ]
     servers = [MetricsServer(shadow_collector(n.status), 0, "127.0.0.1") for n in nodes]
-    agent_port = _free_port()
+    agent_port = listen_port()
     shadows = ",".join(f"{n.name}={n.control_address[0]}:{n.control_address[1]}" for n in nodes)
     env = {
         "CHECKMATE_JOB_ID": str(JOB_ID),
@@ -316,7 +310,7 @@ def test_switch_command_line_serves_metrics_and_refuses_a_taken_port() -> None:
     try:
         for end in "ab":
             subprocess.run(["ip", "link", "set", f"{veth}{end}", "up"], check=True)
-        port = _free_port()
+        port = listen_port()
         command = [sys.executable, "-m", "embedded_switch.cli", "--grpc-server-addr", "127.0.0.1:0"]
         switch = subprocess.Popen(
             [*command, "--p4info", "p4src/checkmate.p4info.txtpb", "-i", f"1@{veth}a",

@@ -83,7 +83,7 @@ enum {
     C_DROP_MALFORMED, C_DROP_UNKNOWN_JOB, C_DROP_UNKNOWN_RANK, C_DROP_DUPLICATE, C_DROP_SEQUENCE_WINDOW,
     C_DROP_UNAUTHENTICATED, C_DROP_MALFORMED_ACK, C_DROP_UNEXPECTED_ACK, C_DROP_ACK_BEYOND_SENT,
     C_DROP_NOT_RING_PREDECESSOR, C_DROP_STALE_ITERATION, C_DROP_FUTURE_ITERATION, C_DROP_STASH_FULL,
-    C_DROP_OUT_OF_RANGE, C_DROP_DTYPE_MISMATCH, C_DROP_UNEXPECTED_SLOT,
+    C_DROP_OUT_OF_RANGE, C_DROP_DTYPE_MISMATCH, C_DROP_UNEXPECTED_SLOT, C_HOST_COPIES,
     C_FAULT_SEND_DROP, C_FAULT_RECV_DROP, C_FAULT_DUPLICATE, C_FAULT_REORDER,
     C_NATIVE_BURSTS, C_NATIVE_WAKEUPS, C_PYTHON_EVENTS,
     C_COUNT
@@ -95,12 +95,12 @@ static const char *counter_names[C_COUNT] = {
     "drop.malformed", "drop.unknown_job", "drop.unknown_rank", "drop.duplicate", "drop.sequence_window",
     "drop.unauthenticated", "drop.malformed_ack", "drop.unexpected_ack", "drop.ack_beyond_sent",
     "drop.not_ring_predecessor", "drop.stale_iteration", "drop.future_iteration", "drop.stash_full",
-    "drop.out_of_range", "drop.dtype_mismatch", "drop.unexpected_slot",
+    "drop.out_of_range", "drop.dtype_mismatch", "drop.unexpected_slot", "host_copies",
     "fault.send_drop", "fault.recv_drop", "fault.duplicate", "fault.reorder",
     "native.bursts", "native.wakeups", "native.python_events"};
 /* ring counters kept per job as well (RingAllReduce.stats()) */
 #define RING_FIRST C_DROP_NOT_RING_PREDECESSOR
-#define RING_LAST C_DROP_UNEXPECTED_SLOT
+#define RING_LAST C_HOST_COPIES
 
 /* ---- events up to Python ------------------------------------------------------------------ */
 enum { EV_RAW = 0, EV_DATA = 1, EV_DONE = 2, EV_FAIL = 3, EV_TAP = 4 };
@@ -209,6 +209,10 @@ typedef struct Job {
     Stash *stash;
     uint64_t ring_counters[C_COUNT];
     uint64_t stashed;
+    /* host replication (no switch): REPLICATE never goes on the wire; the owner of each chunk
+     * sends its reduced slots once more, outside any flow, to the shadow of the shard key */
+    int host_mode, nreplicas;
+    struct sockaddr_in *replica; /* by shard key; sin_port 0: no shadow for that key */
 } Job;
 
 typedef struct OutEntry {
@@ -1086,9 +1090,19 @@ static void ring_send(Engine *e, Job *j, Op *op, uint32_t slot, int flags, int f
     pack_header(hdr, T_DATA, flags, op->dtype, j->id, op->iteration, op->bucket, (uint32_t)j->rank,
                 op->shard_key, (uint32_t)offset, count, 0);
     const uint8_t *base = from_source ? op->source : op->work;
-    send_item(e, j, &j->next_addr, hdr, base + offset * (uint64_t)op->itemsize,
-              count * (uint32_t)op->itemsize, NULL, op);
+    const uint8_t *payload = base + offset * (uint64_t)op->itemsize;
+    uint32_t len = count * (uint32_t)op->itemsize;
+    int host_copy = j->host_mode && (flags & F_REPLICATE);
+    if (host_copy) hdr[2] &= (uint8_t)~F_REPLICATE; /* host mode: never tagged on the wire */
+    uint8_t copy[HDR];
+    if (host_copy) memcpy(copy, hdr, HDR); /* before the flow numbers it, as the Python ring does */
+    send_item(e, j, &j->next_addr, hdr, payload, len, NULL, op);
     /* a failed flow was reported to Python as it failed; its sends are dropped here */
+    if (host_copy && op->shard_key < (uint32_t)j->nreplicas && j->replica[op->shard_key].sin_port != 0) {
+        emit(e, copy, payload, len, &j->replica[op->shard_key]);
+        e->counters[C_UNRELIABLE_SENT]++;
+        j->ring_counters[C_HOST_COPIES]++;
+    }
 }
 
 static void finalize(Engine *e, Op *op, uint32_t slot) {
@@ -1419,10 +1433,25 @@ static Event *take_events(Engine *e) {
     return ev;
 }
 
+/* Take the engine's mutex from a thread that holds the GIL. Lock order: a thread never waits
+ * for the GIL while it holds the mutex (the engine's thread takes the GIL only with the mutex
+ * released), so a Python thread must not wait for the mutex while it holds the GIL either: it
+ * drops the GIL while it waits and takes the mutex only with a trylock once it has the GIL
+ * back. (Waiting for the mutex without the GIL and then for the GIL with the mutex deadlocked
+ * against a second Python thread calling in: one held the GIL and waited for the mutex, the
+ * other the reverse, and the engine's thread stopped acknowledging.) */
+static void lock_from_python(Engine *e) {
+    while (pthread_mutex_trylock(&e->mu) != 0) {
+        Py_BEGIN_ALLOW_THREADS pthread_mutex_lock(&e->mu);
+        pthread_mutex_unlock(&e->mu);
+        Py_END_ALLOW_THREADS
+    }
+}
+
 /* Free released ops nothing sends from any more (GIL held, mutex not). */
 static void reap_zombies(Engine *e) {
     Op *free_list = NULL;
-    pthread_mutex_lock(&e->mu);
+    lock_from_python(e);
     Op **pp = &e->zombies;
     while (*pp) {
         Op *op = *pp;
@@ -1568,18 +1597,13 @@ static int parse_addr(PyObject *obj, struct sockaddr_in *out) {
 }
 
 static void after_call(Engine *e) {
-    pthread_mutex_lock(&e->mu);
+    lock_from_python(e);
     Event *ev = take_events(e);
     pthread_mutex_unlock(&e->mu);
     dispatch_events(e, ev);
     reap_zombies(e);
 }
 
-#define LOCK_NOGIL(e)                                                                              \
-    do {                                                                                           \
-        Py_BEGIN_ALLOW_THREADS pthread_mutex_lock(&(e)->mu);                                        \
-        Py_END_ALLOW_THREADS                                                                       \
-    } while (0)
 
 static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
     static char *names[] = {"fd", "dispatch", "window", "advertised_window", "ack_every", "dupthresh",
@@ -1640,7 +1664,7 @@ static PyObject *Engine_start(Engine *e, PyObject *unused) {
 
 static void engine_stop(Engine *e) {
     if (!e->running) return;
-    pthread_mutex_lock(&e->mu);
+    lock_from_python(e);
     e->stop = 1;
     pthread_mutex_unlock(&e->mu);
     uint64_t one = 1;
@@ -1686,6 +1710,7 @@ static void free_job(Job *j, Engine *e) {
     }
     free(j->peer_rank);
     free(j->peer_addr);
+    free(j->replica);
     free(j);
 }
 
@@ -1737,7 +1762,7 @@ static PyObject *Engine_add_job(Engine *e, PyObject *args) {
     memcpy(j->key, key, 32);
     j->latest_iteration = -1;
     j->released_through = -1;
-    LOCK_NOGIL(e);
+    lock_from_python(e);
     Job **arr = realloc(e->jobs, (size_t)(e->njobs + 1) * sizeof *arr);
     if (arr == NULL) {
         pthread_mutex_unlock(&e->mu);
@@ -1761,7 +1786,7 @@ static PyObject *Engine_add_job(Engine *e, PyObject *args) {
 static PyObject *Engine_remove_job(Engine *e, PyObject *args) {
     unsigned int job_id;
     if (!PyArg_ParseTuple(args, "I", &job_id)) return NULL;
-    LOCK_NOGIL(e);
+    lock_from_python(e);
     flush_out(e);
     for (int i = 0; i < e->njobs; i++)
         if (e->jobs[i]->id == job_id) {
@@ -1800,9 +1825,10 @@ static PyObject *Engine_ring_add(Engine *e, PyObject *args) {
     unsigned int job_id, future;
     int world;
     unsigned long long max_stash;
-    if (!PyArg_ParseTuple(args, "IiIK", &job_id, &world, &future, &max_stash)) return NULL;
+    int host_mode = 0;
+    if (!PyArg_ParseTuple(args, "IiIK|p", &job_id, &world, &future, &max_stash, &host_mode)) return NULL;
     PyObject *result = NULL;
-    LOCK_NOGIL(e);
+    lock_from_python(e);
     Job *j = find_job(e, job_id);
     if (j == NULL || world < 2 || j->rank < 0 || j->rank >= world) {
         PyErr_Format(PyExc_KeyError, "job %u is not registered or the ring is invalid", job_id);
@@ -1817,12 +1843,48 @@ static PyObject *Engine_ring_add(Engine *e, PyObject *args) {
             j->next_addr = *next;
             j->future_iterations = future;
             j->max_stash_bytes = max_stash;
+            j->host_mode = host_mode;
             result = Py_None;
         }
     }
     pthread_mutex_unlock(&e->mu);
     Py_XINCREF(result);
     return result;
+}
+
+/* ring_replica(job, shard_key, (ip, port) | None): where host replication sends the copies of
+ * shard_key's slots (None: nowhere). The table grows to the largest key set. */
+static PyObject *Engine_ring_replica(Engine *e, PyObject *args) {
+    unsigned int job_id, key;
+    PyObject *addr_obj;
+    if (!PyArg_ParseTuple(args, "IIO", &job_id, &key, &addr_obj)) return NULL;
+    if (key > 0xFFFF) {
+        PyErr_SetString(PyExc_ValueError, "a shard key is 16 bits");
+        return NULL;
+    }
+    struct sockaddr_in addr;
+    memset(&addr, 0, sizeof addr);
+    if (addr_obj != Py_None && parse_addr(addr_obj, &addr) < 0) return NULL;
+    int rc = 0;
+    lock_from_python(e);
+    Job *j = find_job(e, job_id);
+    if (j == NULL) {
+        rc = -1;
+    } else if ((int)key >= j->nreplicas) {
+        struct sockaddr_in *grown = realloc(j->replica, ((size_t)key + 1) * sizeof *grown);
+        if (grown == NULL) {
+            rc = -2;
+        } else {
+            memset(grown + j->nreplicas, 0, ((size_t)key + 1 - (size_t)j->nreplicas) * sizeof *grown);
+            j->replica = grown;
+            j->nreplicas = (int)key + 1;
+        }
+    }
+    if (rc == 0) j->replica[key] = addr;
+    pthread_mutex_unlock(&e->mu);
+    if (rc == -1) return PyErr_Format(PyExc_KeyError, "job %u is not registered", job_id);
+    if (rc == -2) return PyErr_NoMemory();
+    Py_RETURN_NONE;
 }
 
 /* op_start(job, iteration, bucket, work, source|None, dtype, shard_key) */
@@ -1870,7 +1932,7 @@ static PyObject *Engine_op_start(Engine *e, PyObject *args) {
     op->work = op->work_buf.buf;
     op->source = op->has_source ? (const uint8_t *)op->source_buf.buf : op->work;
     op->n = (uint64_t)op->work_buf.len / (uint64_t)size;
-    LOCK_NOGIL(e);
+    lock_from_python(e);
     Job *j = find_job(e, job_id);
     if (j == NULL || !j->ring) {
         pthread_mutex_unlock(&e->mu);
@@ -1970,7 +2032,7 @@ static PyObject *Engine_release_through(Engine *e, PyObject *args) {
     unsigned int job_id;
     long long through;
     if (!PyArg_ParseTuple(args, "IL", &job_id, &through)) return NULL;
-    LOCK_NOGIL(e);
+    lock_from_python(e);
     Job *j = find_job(e, job_id);
     if (j && through > j->released_through) {
         j->released_through = through;
@@ -2006,7 +2068,7 @@ static PyObject *Engine_release_through(Engine *e, PyObject *args) {
 static PyObject *Engine_fail_ops(Engine *e, PyObject *args) {
     unsigned int job_id;
     if (!PyArg_ParseTuple(args, "I", &job_id)) return NULL;
-    LOCK_NOGIL(e);
+    lock_from_python(e);
     Job *j = find_job(e, job_id);
     if (j)
         for (Op *op = j->ops; op; op = op->next)
@@ -2019,7 +2081,7 @@ static PyObject *Engine_op_state(Engine *e, PyObject *args) {
     unsigned int job_id, iteration, bucket;
     if (!PyArg_ParseTuple(args, "III", &job_id, &iteration, &bucket)) return NULL;
     PyObject *out = NULL;
-    LOCK_NOGIL(e);
+    lock_from_python(e);
     Job *j = find_job(e, job_id);
     Op *op = j ? find_op(j, iteration, bucket) : NULL;
     if (op) out = PyBytes_FromStringAndSize((const char *)op->state, op->nslots);
@@ -2057,7 +2119,7 @@ static PyObject *Engine_send(Engine *e, PyObject *args) {
     PyBuffer_Release(&hdr);
     PyBuffer_Release(&payload);
     int rc;
-    LOCK_NOGIL(e);
+    lock_from_python(e);
     Job *j = find_job(e, job_id);
     if (j == NULL) {
         free(copy);
@@ -2082,7 +2144,7 @@ static PyObject *Engine_emit(Engine *e, PyObject *args) {
         PyBuffer_Release(&data);
         return NULL;
     }
-    LOCK_NOGIL(e);
+    lock_from_python(e);
     const uint8_t *d = data.buf;
     emit(e, d, d + HDR, (size_t)data.len - HDR, &addr);
     flush_out(e);
@@ -2099,7 +2161,7 @@ static PyObject *Engine_flow_error(Engine *e, PyObject *args) {
     struct sockaddr_in addr;
     if (parse_addr(addr_obj, &addr) < 0) return NULL;
     PyObject *out = NULL;
-    LOCK_NOGIL(e);
+    lock_from_python(e);
     SendFlow *f = find_sflow(e, &addr, job_id);
     if (f && f->failed) out = Py_BuildValue("(is)", f->peer_rank, f->failed);
     pthread_mutex_unlock(&e->mu);
@@ -2110,7 +2172,7 @@ static PyObject *Engine_flow_error(Engine *e, PyObject *args) {
 static PyObject *Engine_set_tap(Engine *e, PyObject *args) {
     int on;
     if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
-    LOCK_NOGIL(e);
+    lock_from_python(e);
     e->tap = on;
     pthread_mutex_unlock(&e->mu);
     Py_RETURN_NONE;
@@ -2121,7 +2183,7 @@ static PyObject *Engine_stats(Engine *e, PyObject *unused) {
     uint64_t c[C_COUNT];
     long flows_send, flows_recv, unacked = 0;
     int gso;
-    LOCK_NOGIL(e);
+    lock_from_python(e);
     memcpy(c, e->counters, sizeof c);
     flows_send = e->nsflows;
     flows_recv = e->nrflows;
@@ -2159,7 +2221,7 @@ static PyObject *Engine_ring_stats(Engine *e, PyObject *args) {
     uint64_t c[C_COUNT];
     uint64_t stash_bytes = 0, stashed = 0;
     int found = 0;
-    LOCK_NOGIL(e);
+    lock_from_python(e);
     Job *j = find_job(e, job_id);
     if (j) {
         memcpy(c, j->ring_counters, sizeof c);
@@ -2190,7 +2252,7 @@ static PyObject *Engine_ring_stats(Engine *e, PyObject *args) {
 static PyObject *Engine_busy(Engine *e, PyObject *unused) {
     (void)unused;
     int busy = 0;
-    LOCK_NOGIL(e);
+    lock_from_python(e);
     for (int i = 0; i < e->nsflows; i++) {
         SendFlow *f = e->sflows[i];
         if (!f->failed && (f->n_unacked || f->n_pending)) busy = 1;
@@ -2202,7 +2264,7 @@ static PyObject *Engine_busy(Engine *e, PyObject *unused) {
 static PyObject *Engine_deadline(Engine *e, PyObject *unused) {
     (void)unused;
     double d;
-    LOCK_NOGIL(e);
+    lock_from_python(e);
     d = e->deadline;
     pthread_mutex_unlock(&e->mu);
     return PyFloat_FromDouble(d);
@@ -2303,7 +2365,10 @@ static PyMethodDef Engine_methods[] = {
     {"add_job", (PyCFunction)Engine_add_job, METH_VARARGS, "add_job(job, rank, [(rank, (ip, port))], key32)"},
     {"remove_job", (PyCFunction)Engine_remove_job, METH_VARARGS, "remove_job(job)"},
     {"ring_add", (PyCFunction)Engine_ring_add, METH_VARARGS,
-     "ring_add(job, world, future_iterations, max_stash_bytes): the job's DATA is reduced here"},
+     "ring_add(job, world, future_iterations, max_stash_bytes, host_mode=False): the job's DATA is "
+     "reduced here; host_mode: REPLICATE stays off the wire and the owner sends ring_replica copies"},
+    {"ring_replica", (PyCFunction)Engine_ring_replica, METH_VARARGS,
+     "ring_replica(job, shard_key, (ip, port) | None): where host mode copies shard_key's slots"},
     {"op_start", (PyCFunction)Engine_op_start, METH_VARARGS,
      "op_start(job, iteration, bucket, work, source|None, dtype, shard_key)"},
     {"release_through", (PyCFunction)Engine_release_through, METH_VARARGS, "release_through(job, iteration)"},

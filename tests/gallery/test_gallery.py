@@ -21,7 +21,6 @@ import atexit
 import multiprocessing as mp
 import os
 import runpy
-import socket
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ from checkmate.checkpoint.shadow_memory import fetch_state
 from hosts.recovery import from_snapshots, workers_finished
 from shadow.node import ShadowConfig, ShadowNode
 from shadow.snapshots import SnapshotPolicy
+from tests.listen_ports import listen_port
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,12 +58,6 @@ def _rank_main(script: str, argv: list[str], env: dict[str, str]) -> None:
     atexit._run_exitfuncs()  # as a python process does at exit (multiprocessing children skip it)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 class Job:
     """Both ranks of one script run."""
 
@@ -74,7 +68,7 @@ class Job:
         base = {
             "WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_free_port()),
+            "MASTER_PORT": str(listen_port()),
             "CHECKMATE_JOB_ID": str(JOB_ID),
             "CHECKMATE_SHADOWS": shadows,
             "CHECKMATE_REPLICATION": "host",

@@ -22,6 +22,7 @@ from hosts.ddp import CheckmateConfig, CheckmateConfigError
 from hosts.faults import FaultConfig
 from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig, reference_allreduce
 from hosts.transport import Addr, Transport, TransportConfig
+from tests.hosts.datapaths import datapath_params
 from tests.hosts.harness import run_ranks, worker_addr
 
 JOB = 9
@@ -43,8 +44,11 @@ def _replica(shard_key: int) -> Addr | None:
     return SHADOWS[shard_key]
 
 
-def _rank(rank: int, world: int) -> dict[str, object]:
-    transport = Transport(TransportConfig(bind=worker_addr(rank), peer_timeout=5.0, faults=FaultConfig()))
+def _rank(rank: int, world: int, datapath: str) -> dict[str, object]:
+    transport = Transport(
+        TransportConfig(bind=worker_addr(rank), peer_timeout=5.0, faults=FaultConfig(), datapath=datapath)
+    )
+    assert transport.datapath == datapath
     sent_flags: list[int] = []
     transport.tap = lambda header, peer, retransmit: sent_flags.append(int(header.flags))
     engine = RingAllReduce(
@@ -102,11 +106,13 @@ class _Collector:
         self.sock.close()
 
 
-def test_shadow_receives_every_reduced_element_once_bit_exact() -> None:
+@pytest.mark.parametrize("datapath", datapath_params)
+def test_shadow_receives_every_reduced_element_once_bit_exact(datapath: str) -> None:
+    """On both data paths: the native engine sends the copies itself (``ring_replica``)."""
     world = 3
     collectors = [_Collector(a) for a in SHADOWS]
     try:
-        results = run_ranks(_rank, world, timeout=60)
+        results = run_ranks(_rank, world, datapath, timeout=60)
     finally:
         for c in collectors:
             c.close()

@@ -33,12 +33,14 @@ from checkmate.wire import (
     DType,
     Flags,
     MessageType,
+    pack_data_header,
 )
 from hosts import native
 from hosts.faults import FaultConfig
 from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig, reference_allreduce
 from hosts.transport import Transport, TransportConfig, datapath_from_env
 from tests.hosts.datapaths import NATIVE_BUILT
+from tests.hosts.harness import run_ranks
 from tests.reliability.fuzz_frames import mutate_datagram
 
 pytestmark = pytest.mark.skipif(not NATIVE_BUILT, reason="hosts.native._datapath is not built")
@@ -458,3 +460,69 @@ def test_result_buffers_are_reused_only_when_nobody_holds_them() -> None:
         assert rings[0].stats().get("buffers_reused", 0) > 0  # the others were
     finally:
         _close(rings)
+
+
+def _echo_under_contention(rank: int, world: int) -> int:
+    """Rank 0 sends 3,000 DATA to rank 1, whose handler echoes each; two threads call rank 1's
+    engine without pause. Returns how many echoes arrived (one process, both transports)."""
+    transports = [
+        Transport(TransportConfig(bind=(f"127.0.0.{120 + r}", 0), datapath="native", peer_timeout=20.0))
+        for r in range(2)
+    ]
+    count = 3000
+    echoed = threading.Event()
+    received: list[int] = []
+
+    def on_rank0(fields: tuple[int, ...], payload: memoryview, addr: tuple[str, int]) -> None:
+        received.append(fields[5])
+        if len(received) == count:
+            echoed.set()
+
+    def on_rank1(fields: tuple[int, ...], payload: memoryview, addr: tuple[str, int]) -> None:
+        echo = bytearray(32)  # on the engine's thread, holding the GIL: a call back into the engine
+        pack_data_header(echo, 0, int(DType.FP32), JOB, fields[5], 0, 1, 0, 0, len(payload) // 4)
+        transports[1].send_packed(transports[0].address, JOB, echo, payload)
+
+    stop = threading.Event()
+
+    def call_in() -> None:
+        while not stop.is_set():
+            transports[1].stats()
+            transports[1].native.engine.busy()  # type: ignore[union-attr]
+
+    try:
+        assert all(t.datapath == "native" for t in transports)
+        for r, (t, handler) in enumerate(zip(transports, (on_rank0, on_rank1), strict=True)):
+            t.add_job(
+                JOB, r, {1 - r: transports[1 - r].address}, on_data=lambda *a: None, on_data_fields=handler
+            )
+        callers = [threading.Thread(target=call_in, daemon=True) for _ in range(2)]
+        for c in callers:
+            c.start()
+        header = bytearray(32)
+        payload = np.arange(64, dtype=np.float32).tobytes()
+        for i in range(count):
+            pack_data_header(header, 0, int(DType.FP32), JOB, i, 0, 0, 0, 0, 64)
+            transports[0].send_packed(transports[1].address, JOB, header, payload)
+        echoed.wait(30.0)
+        stop.set()
+        for c in callers:
+            c.join(5.0)
+        assert sorted(received) == list(range(len(received)))
+        return len(received)
+    finally:
+        for t in transports:
+            t.close()
+
+
+def test_handlers_that_send_while_another_thread_calls_in_do_not_deadlock() -> None:
+    """Lock order between the GIL and the engine's mutex (host replication's pattern).
+
+    A DATA handler runs on the engine's thread and sends while other Python threads call into
+    the same engine. Before the fix a thread could wait for the GIL while holding the engine's
+    mutex and another hold the GIL while waiting for the mutex: the process froze (the engine
+    stopped acknowledging; in CI, a 3-rank host-replication job timed out). Run in a child
+    process so that a freeze fails the test instead of hanging it.
+    """
+    (arrived,) = run_ranks(_echo_under_contention, 1, timeout=90)
+    assert arrived == 3000

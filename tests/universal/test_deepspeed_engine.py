@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,22 +24,17 @@ import torch
 
 from checkmate.checkpoint import CheckpointReader
 from checkmate.checkpoint.cli import main
+from tests.listen_ports import listen_port
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]  # about 140 s on 2 shared cores: -m slow
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _run(*args: str) -> dict[int, float]:
     out = Path(args[1])
     env = {
         **os.environ,
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(listen_port()),
         "PYTHONPATH": str(REPO),
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "1",
