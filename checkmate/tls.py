@@ -128,6 +128,16 @@ def check_files(files: TlsFiles) -> None:
         raise TlsConfigError(f"key {files.key} does not belong to certificate {files.cert}")
 
 
+def pki_in(directory: str | Path) -> PkiFiles:
+    """The PKI a directory holds in :func:`make_test_pki`'s layout (``ca.pem``, ``switch.pem``,
+    ``switch.key``, ``controller.pem``, ``controller.key``), checked: TlsConfigError naming the
+    file that is missing or will not do. Users bring their own PKI in this layout."""
+    pki = PkiFiles.layout(directory)
+    check_files(pki.switch)
+    check_files(pki.controller)
+    return pki
+
+
 def server_args(files: TlsFiles, client_auth: bool = True) -> list[str]:
     """The gRPC server options (after ``--``) of ``simple_switch_grpc`` and ``checkmate-switch``."""
     if files.cert is None or files.key is None:
@@ -145,6 +155,28 @@ class PkiFiles:
     server_key: Path
     client_cert: Path
     client_key: Path
+
+    @classmethod
+    def layout(cls, directory: str | Path) -> PkiFiles:
+        """The file names :func:`make_test_pki` writes and :func:`pki_in` reads."""
+        out = Path(directory)
+        return cls(
+            ca=out / "ca.pem",
+            server_cert=out / "switch.pem",
+            server_key=out / "switch.key",
+            client_cert=out / "controller.pem",
+            client_key=out / "controller.key",
+        )
+
+    @property
+    def switch(self) -> TlsFiles:
+        """The switch's side: the CA that signs controllers, its certificate and key."""
+        return TlsFiles(self.ca, self.server_cert, self.server_key)
+
+    @property
+    def controller(self) -> TlsFiles:
+        """The controller's side: the CA that signs switches, its client certificate and key."""
+        return TlsFiles(self.ca, self.client_cert, self.client_key)
 
 
 def make_test_pki(
@@ -223,13 +255,7 @@ def make_test_pki(
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             names.append(x509.DNSName(host))
-    pki = PkiFiles(
-        ca=out / "ca.pem",
-        server_cert=out / "switch.pem",
-        server_key=out / "switch.key",
-        client_cert=out / "controller.pem",
-        client_key=out / "controller.key",
-    )
+    pki = PkiFiles.layout(out)
     pki.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     server_pem, server_key = leaf("checkmate switch", names, ExtendedKeyUsageOID.SERVER_AUTH)
     pki.server_cert.write_bytes(server_pem)

@@ -26,9 +26,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from checkmate.network import Network
 from checkmate.p4.program import Target
+from checkmate.tls import make_test_pki
 from topologies.cleanup import CleanupReport, cleanup
-from topologies.preflight import Plan, PreflightError, check_machine, make_plan
+from topologies.preflight import Plan, PreflightError, check_machine, load_network, make_plan
 from topologies.runstate import (
     DEFAULT_RUN_DIR,
     FAILED,
@@ -97,6 +99,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=UP_TIMEOUT_S,
         help=f"seconds the whole bring-up may take (default {UP_TIMEOUT_S:g})",
     )
+    tls = up.add_mutually_exclusive_group()
+    tls.add_argument(
+        "--tls",
+        action="store_true",
+        help="P4Runtime over mutual TLS with a test PKI written to RUN_DIR/tls (a CA, a certificate "
+        "naming the switches' gRPC hosts, a controller client certificate; 30 days)",
+    )
+    tls.add_argument(
+        "--tls-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="P4Runtime over mutual TLS with your PKI: DIR holds ca.pem, switch.pem, switch.key, "
+        "controller.pem and controller.key",
+    )
     run_dir_option(up)
 
     down = commands.add_parser(
@@ -149,6 +166,8 @@ def _spawn_supervisor(plan: Plan, state_dir: Path | None) -> subprocess.Popen[by
     ]
     if state_dir is not None:
         argv += ["--state-dir", str(state_dir.resolve())]
+    if plan.tls is not None:
+        argv += ["--tls-dir", str(plan.tls.ca.parent)]
     log = plan.run_dir / SUPERVISOR_LOG
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, RUN_ENV: str(plan.run_dir)}
@@ -194,9 +213,28 @@ def _tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
+def _write_test_pki(directory: Path, network: Network) -> Path:
+    """A fresh test PKI whose switch certificate names every switch's gRPC host."""
+    hosts = sorted({switch.grpc.rsplit(":", 1)[0].strip("[]") for switch in network.switches.values()})
+    make_test_pki(directory, hosts=hosts)
+    return directory
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     run_dir = (args.run_dir or default_run_dir()).resolve()
-    plan = make_plan(args.network, Target(args.target), run_dir, pcap=args.pcap, switch_args=args.switch_args)
+    tls_dir = args.tls_dir
+    if args.tls:
+        # checked first without TLS (a bad description fails before anything is written)
+        make_plan(args.network, Target(args.target), run_dir, pcap=args.pcap, switch_args=args.switch_args)
+        tls_dir = _write_test_pki(run_dir / "tls", load_network(args.network))
+    plan = make_plan(
+        args.network,
+        Target(args.target),
+        run_dir,
+        pcap=args.pcap,
+        switch_args=args.switch_args,
+        tls_dir=tls_dir,
+    )
     try:
         old = RunState.load(run_dir)
     except RunStateError:
@@ -233,6 +271,12 @@ def _print_up(plan: Plan, state: RunState, seconds: float, state_dir: Path | Non
         print(f"  switch {name:<6} P4Runtime {record.grpc} device {record.device_id}  log {record.log_file}")
     print(f"  supervisor log: {plan.run_dir / SUPERVISOR_LOG}")
     print(f"  pcaps: {plan.pcap_dir}" if plan.pcap_dir else "  pcaps: off (up --pcap to record them)")
+    if plan.tls is not None:
+        print(f"  P4Runtime: mutual TLS, PKI in {plan.tls.ca.parent}; checkmate-ctl needs:")
+        for name, value in plan.controller_env().items():
+            print(f"    export {name}={value}")
+    else:
+        print("  P4Runtime: plaintext (up --tls for mutual TLS)")
     ctl = f"checkmate-ctl --network {_shown(plan.network_file)}"
     if state_dir is not None:
         ctl += f" --state-dir {state_dir}"

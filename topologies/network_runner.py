@@ -92,7 +92,7 @@ class NetworkRunner:
         self._save = on_change or (lambda state: state.save())
         self.net: Any = None
         self.switches: dict[str, P4Switch] = {}
-        self.env = {**os.environ, RUN_ENV: str(plan.run_dir)}
+        self.env = {**os.environ, RUN_ENV: str(plan.run_dir), **plan.controller_env()}
 
     # ---- bring-up -----------------------------------------------------------------
     def start(self) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from checkmate.network import Network, NetworkError
 from checkmate.p4.program import Target
+from checkmate.tls import PkiFiles, TlsConfigError, pki_in, server_args
 from topologies.mininet_import import MininetMissing, import_mininet
 from topologies.runstate import RunState, RunStateError, is_same_process
 from topologies.targets import SwitchConfig, TargetError, find_binary, find_tool, pipeline_files
@@ -62,6 +63,20 @@ class Plan:
     pcap: bool
     switches: dict[str, SwitchConfig] = field(default_factory=dict)
     interfaces: tuple[str, ...] = ()
+    tls: PkiFiles | None = None
+    """P4Runtime over mutual TLS (``checkmate-net up --tls``/``--tls-dir``): every switch serves
+    with ``tls.switch`` and requires a client certificate; the controller uses ``tls.controller``.
+    None: plaintext on the switches' loopback gRPC addresses."""
+
+    def controller_env(self) -> dict[str, str]:
+        """What ``checkmate-ctl`` needs in its environment to reach these switches."""
+        if self.tls is None:
+            return {}
+        return {
+            "CHECKMATE_P4RT_CA": str(self.tls.ca),
+            "CHECKMATE_P4RT_CERT": str(self.tls.client_cert),
+            "CHECKMATE_P4RT_KEY": str(self.tls.client_key),
+        }
 
     @property
     def log_dir(self) -> Path:
@@ -151,11 +166,13 @@ def make_plan(
     run_dir: str | Path,
     pcap: bool = False,
     switch_args: Sequence[str] | Mapping[str, Sequence[str]] = (),
+    tls_dir: str | Path | None = None,
 ) -> Plan:
     """Check the description, target and tools (no root needed) and return the plan.
 
     ``switch_args``: ``--switch-args`` values (see :func:`parse_switch_args`), or
-    already split arguments per switch name.
+    already split arguments per switch name. ``tls_dir``: a PKI in
+    :func:`checkmate.tls.make_test_pki`'s layout (checked here): P4Runtime over mutual TLS.
     """
     network_file = Path(network_file).resolve()
     network = load_network(network_file)
@@ -175,6 +192,12 @@ def make_plan(
     controller = find_tool(CONTROLLER_TOOL)
     if controller is None:
         raise PreflightError(f"{CONTROLLER_TOOL} is not installed: run `make setup`")
+    tls: PkiFiles | None = None
+    if tls_dir is not None:
+        try:
+            tls = pki_in(Path(tls_dir).resolve())
+        except TlsConfigError as exc:
+            raise PreflightError(f"--tls-dir {tls_dir}: {exc}") from None
     run_dir = Path(run_dir).resolve()
     pcap_dir = run_dir / "pcap" if pcap else None
     switches: dict[str, SwitchConfig] = {}
@@ -192,6 +215,7 @@ def make_plan(
             log_file=run_dir / "logs" / f"{name}.log",
             pcap_dir=pcap_dir,
             extra_args=extra[name],
+            grpc_args=tuple(server_args(tls.switch, client_auth=True)) if tls is not None else (),
         )
     return Plan(
         network=network,
@@ -205,6 +229,7 @@ def make_plan(
         pcap=pcap,
         switches=switches,
         interfaces=tuple(interfaces),
+        tls=tls,
     )
 
 

@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pcap", action="store_true")
     parser.add_argument("--switch-args", action="append", default=[], help="see checkmate-net up")
     parser.add_argument("--state-dir", type=Path, default=None, help="controller registry (checkmate-ctl's)")
+    parser.add_argument("--tls-dir", type=Path, default=None, help="mutual TLS PKI (checkmate-net up)")
     parser.add_argument("--switch-ready-timeout", type=float, default=30.0)
     parser.add_argument(
         "--no-restart-switches",
@@ -91,7 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     try:
         plan = make_plan(
-            args.network, Target(args.target), run_dir, pcap=args.pcap, switch_args=args.switch_args
+            args.network,
+            Target(args.target),
+            run_dir,
+            pcap=args.pcap,
+            switch_args=args.switch_args,
+            tls_dir=args.tls_dir,
         )
         runner = NetworkRunner(
             plan,

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import select
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from scapy.utils import PcapReader
 
 import checkmate.scapy_layer  # noqa: F401  (binds the Checkmate layer for dissection)
 from checkmate.network import Network
+from tests.listen_ports import listen_port
 from topologies.cleanup import cleanup, pid_alive, run_processes
 from topologies.runstate import RunState, RunStateError, is_same_process
 
@@ -50,9 +50,8 @@ def run(argv: list[str], timeout: float = 30.0, check: bool = True) -> subproces
 
 
 def free_tcp_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A free port below the ephemeral range (tests/listen_ports.py says why)."""
+    return listen_port()
 
 
 def topology_copy(name: str, folder: Path) -> Path:
@@ -84,6 +83,8 @@ class RunningNetwork:
     up_seconds: float = 0.0
     switch_args: tuple[str, ...] = ()
     """``checkmate-net up --switch-args`` values, e.g. ``"s1=--drop-egress 1:0.01"``."""
+    up_args: tuple[str, ...] = ()
+    """More ``checkmate-net up`` options, e.g. ``("--tls",)``."""
 
     def up(self, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
         started = time.monotonic()
@@ -99,6 +100,7 @@ class RunningNetwork:
                 "--state-dir",
                 str(self.state_dir),
                 *[f"--switch-args={value}" for value in self.switch_args],
+                *self.up_args,
             ],
             timeout=timeout,
             check=False,
