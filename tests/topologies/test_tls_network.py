@@ -8,6 +8,7 @@ the exported client certificate and fails without it (plaintext against a TLS se
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,13 +56,27 @@ def test_a_pki_directory_missing_a_file_is_refused_naming_it(tmp_path: Path) -> 
         )
 
 
-@pytest.fixture(scope="module")
-def tls_network(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningNetwork]:
-    folder = tmp_path_factory.mktemp("net-tls")
+def _bmv2_ready() -> bool:
+    return (
+        shutil.which("simple_switch_grpc") is not None and (REPO / "build/v1model/checkmate.json").is_file()
+    )
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param("embedded"), pytest.param("bmv2", marks=pytest.mark.bmv2)],
+)
+def tls_network(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningNetwork]:
+    target = request.param
+    if target == "bmv2" and not _bmv2_ready():
+        pytest.skip("BMv2 is installed but build/v1model/checkmate.json is missing: run `make p4`")
+    folder = tmp_path_factory.mktemp(f"net-tls-{target}")
     network_file = topology_copy("single", folder)
     net = RunningNetwork(
         name="single",
-        target="embedded",
+        target=target,
         network_file=network_file,
         run_dir=folder / "run",
         state_dir=folder / "ctl",
