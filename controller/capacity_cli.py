@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,16 @@ from controller.capacity_inputs import (
     GRAD_DTYPE_BYTES,
     OPTIMIZER_STATE_BYTES,
     PlanError,
+)
+from controller.cluster_compare import (
+    CONFIGS,
+    CompareError,
+    compare,
+    machine_check,
+    machine_markdown,
+    named,
+    render_text,
+    with_overrides,
 )
 
 logger = logging.getLogger(__name__)
@@ -117,10 +128,10 @@ def add_plan_parser(commands: Any) -> None:
         description="How many shadow CPUs, how much memory, link and switch capacity a job needs "
         "(docs/capacity.md). Needs no network description and touches no switch.",
     )
-    p.add_argument("--model-params", type=_number, required=True, help="parameters, e.g. 70e9, 7B, 350M")
-    p.add_argument("--optimizer", required=True, choices=sorted(OPTIMIZER_STATE_BYTES), help="optimizer")
-    p.add_argument("--iteration-time", type=_number, required=True, help="seconds per training iteration")
-    p.add_argument("--dp", type=positive_int, required=True, help="data-parallel degree (workers per ring)")
+    p.add_argument("--model-params", type=_number, help="parameters, e.g. 70e9, 7B, 350M (required)")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), help="optimizer (required)")
+    p.add_argument("--iteration-time", type=_number, help="seconds per training iteration (required)")
+    p.add_argument("--dp", type=positive_int, help="data-parallel degree (workers per ring) (required)")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (rings), default 1")
     p.add_argument("--link-gbps", type=_number, default=100.0, help="shadow host link, Gb/s (default 100)")
     p.add_argument("--switch", default="tofino", choices=["bmv2", "embedded", "tofino", "tofino2"])
@@ -160,6 +171,29 @@ def add_plan_parser(commands: Any) -> None:
     )
     p.add_argument("--shadow-bench", type=Path, default=DEFAULT_SHADOW_BENCH, help="make bench-shadow's JSON")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument(
+        "--compare",
+        nargs="*",
+        metavar="CLUSTER",
+        default=None,
+        help="instead of a plan: Checkmate next to torch.save, CheckFreq and DCP on named cluster "
+        f"configurations ({', '.join(CONFIGS)}; all when none is named), docs/capacity.md",
+    )
+    p.add_argument(
+        "--set",
+        dest="compare_set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="with --compare: override a configuration's field (repeatable), "
+        "e.g. storage_write_gbytes_per_s=500",
+    )
+    p.add_argument(
+        "--check-bench",
+        action="store_true",
+        help="with --compare: also set the model, fed this machine's measured figures, "
+        "next to make bench's ratios",
+    )
 
 
 def request_from_args(args: argparse.Namespace) -> PlanRequest:
@@ -186,8 +220,61 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
     )
 
 
+def run_compare(args: argparse.Namespace, prog: str = "checkmate-ctl") -> int:
+    """``checkmate-ctl plan --compare``: the cluster table; 2 naming the field for a bad configuration."""
+    overrides: list[tuple[str, str]] = []
+    for item in args.compare_set:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            print(f"{prog}: error: plan --compare: --set {item!r} is not FIELD=VALUE", file=sys.stderr)
+            return 2
+        overrides.append((name.strip(), value.strip()))
+    try:
+        configs = [with_overrides(named(name), overrides) for name in (args.compare or list(CONFIGS))]
+        comparisons = [compare(config, args.shadow_bench) for config in configs]
+        checks = machine_check() if args.check_bench else []
+    except CompareError as exc:
+        print(f"{prog}: error: plan --compare: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        document: dict[str, Any] = {"clusters": [c.to_json() for c in comparisons]}
+        if args.check_bench:
+            document["machine_check"] = [
+                {**asdict(check), "rows": [{**asdict(r), "error": r.error} for r in check.rows]}
+                for check in checks
+            ]
+        print(json.dumps(document, indent=2))
+        return 0
+    print(render_text(comparisons))
+    if args.check_bench:
+        print("\nthe model fed this machine's measured figures, next to make bench (results/bench.json):")
+        print("\n".join(machine_markdown(checks)))
+    return 0
+
+
 def run_plan(args: argparse.Namespace, prog: str = "checkmate-ctl") -> int:
     """``checkmate-ctl plan``: print the plan; 1 with the limiting resource when none fits."""
+    if args.compare is not None:
+        return run_compare(args, prog)
+    if args.compare_set or args.check_bench:
+        print(f"{prog}: error: plan: --set and --check-bench go with --compare", file=sys.stderr)
+        return 2
+    missing = [
+        flag
+        for flag, value in (
+            ("--model-params", args.model_params),
+            ("--optimizer", args.optimizer),
+            ("--iteration-time", args.iteration_time),
+            ("--dp", args.dp),
+        )
+        if value is None
+    ]
+    if missing:
+        print(
+            f"{prog}: error: plan: the following arguments are required: {', '.join(missing)} (or --compare)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         result = plan(request_from_args(args))
     except PlanInfeasible as exc:

@@ -5,7 +5,9 @@ by hand. The text between the ``capacity-table`` markers is replaced; ``--check`
 when the file differs from what would be written (the test suite runs it).
 
 Two tables: public model sizes from 8 to 10,000 GPUs on Tofino 2, and the small end
-next to what ``make bench`` measured in the emulated network (results/bench.json).
+next to what ``make bench`` measured in the emulated network (results/bench.json). Between
+the ``cluster-compare`` markers: the cluster-scale comparison of
+:mod:`controller.cluster_compare` and its check against make bench.
 """
 
 from __future__ import annotations
@@ -22,6 +24,16 @@ from typing import Any
 from checkmate.p4.program import REPO_ROOT
 from controller.capacity import PlanInfeasible, PlanRequest, plan
 from controller.capacity_inputs import DEFAULT_SHADOW_BENCH, PlanError
+from controller.cluster_compare import (
+    CONFIGS,
+    CompareError,
+    compare,
+    machine_check,
+    machine_markdown,
+    markdown,
+    named,
+    storage_sensitivity,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +41,8 @@ DOC = REPO_ROOT / "docs" / "capacity.md"
 BENCH = REPO_ROOT / "results" / "bench.json"
 BEGIN = "<!-- capacity-table:begin (python -m controller.capacity_table writes this) -->"
 END = "<!-- capacity-table:end -->"
+COMPARE_BEGIN = "<!-- cluster-compare:begin (python -m controller.capacity_table writes this) -->"
+COMPARE_END = "<!-- cluster-compare:end -->"
 
 MODELS = (
     # name, parameters, tensor-parallel degree used in the table
@@ -152,11 +166,29 @@ def render(shadow_bench: Path = DEFAULT_SHADOW_BENCH, bench: Path = BENCH) -> st
     return "\n".join(lines)
 
 
-def update(text: str, table: str) -> str:
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{DOC} lacks the capacity-table markers")
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
+def render_compare(shadow_bench: Path = DEFAULT_SHADOW_BENCH) -> str:
+    """The cluster-scale comparison (controller.cluster_compare) and its check against make bench."""
+    comparisons = [compare(named(name), shadow_bench) for name in CONFIGS]
+    lines = [COMPARE_BEGIN, "", *markdown(comparisons), ""]
+    lines += [
+        "### How much of the storage one job gets",
+        "",
+        *storage_sensitivity("llama3-405b", shadow_bench=shadow_bench),
+    ]
+    lines += ["", "### The model against make bench", ""]
+    try:
+        lines += machine_markdown(machine_check())
+    except CompareError as exc:
+        lines.append(f"(no check: {exc})")
+    lines += ["", COMPARE_END]
+    return "\n".join(lines)
+
+
+def update(text: str, table: str, begin: str = BEGIN, end: str = END) -> str:
+    if begin not in text or end not in text:
+        raise ValueError(f"{DOC} lacks the markers {begin} ... {end}")
+    head, _, rest = text.partition(begin)
+    _, _, tail = rest.partition(end)
     return head + table + tail
 
 
@@ -166,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--doc", type=Path, default=DOC)
     args = parser.parse_args(argv)
     current = args.doc.read_text()
-    new = update(current, render())
+    new = update(update(current, render()), render_compare(), COMPARE_BEGIN, COMPARE_END)
     if args.check:
         if new != current:
             print(f"{args.doc} is out of date: run python -m controller.capacity_table", file=sys.stderr)

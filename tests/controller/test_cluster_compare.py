@@ -1,0 +1,227 @@
+"""The cluster-scale comparison (``checkmate-ctl plan --compare``): the model, its sources, its refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from controller import capacity_table
+from controller.cli import main as ctl_main
+from controller.cluster_compare import (
+    CONFIGS,
+    INPUT_FIELDS,
+    MAX_INTERVAL,
+    PEERS,
+    CompareError,
+    compare,
+    interval_at,
+    machine_check,
+    machine_markdown,
+    measured_lag,
+    named,
+    overhead,
+    with_overrides,
+)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("system", PEERS)
+def test_overhead_never_rises_with_the_interval(name: str, system: str) -> None:
+    c = compare(named(name))
+    T = c.config.iteration_time_s
+    values = [overhead(system, k, c.snapshot_s, c.write_s, T) for k in (1, 2, 3, 4, 8, 16, 64, 1000)]
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
+    assert values[0] > values[-1] > 0
+
+
+def test_interval_at_five_percent_by_hand() -> None:
+    # torch.save: waits 0.5 + 1.5 s per checkpoint of a 1 s iteration: 2 / k <= 0.05 from k = 40
+    assert interval_at("torch-save", 0.5, 1.5, 1.0) == 40
+    assert overhead("torch-save", 39, 0.5, 1.5, 1.0) > 0.05
+    # async: k = 2 still waits for a 3 s persist ((0.1 + 1) / 2 = 55 %); k = 3 pays the snapshot only (3.3 %)
+    assert overhead("checkfreq", 2, 0.1, 3.0, 1.0) == pytest.approx(0.55)
+    assert interval_at("checkfreq", 0.1, 3.0, 1.0) == 3
+    # and a snapshot alone above 5 % of an iteration needs k = ceil(0.2 / 0.05) = 4
+    assert interval_at("dcp-async", 0.2, 0.0, 1.0) == 4
+    assert interval_at("checkmate", 0.0, 0.0, 1.0, checkmate=0.06) is None
+    assert interval_at("checkmate", 0.0, 0.0, 1.0, checkmate=0.01) == 1
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        overhead("torch-save", 0, 1.0, 1.0, 1.0)
+
+
+def test_llama3_figures_by_hand() -> None:
+    c = compare(named("llama3-405b"))
+    state = 405e9 * 12
+    T = 6 * 405e9 * 16e6 / (16384 * 400e12)
+    write = state / 2000e9
+    snapshot = state / 16384 / 25e9
+    assert c.state_bytes == pytest.approx(state)
+    assert c.write_s == pytest.approx(write)
+    assert c.snapshot_s == pytest.approx(snapshot)
+    assert c.failures_per_hour == pytest.approx(419 / (54 * 24))
+    save = c.system("torch-save")
+    k = math.ceil((snapshot + write) / (0.05 * T))
+    assert save.interval_at_budget == k
+    o = (snapshot + write) / (k * T)
+    assert save.overhead_at_interval == pytest.approx(o)
+    assert save.repeated_iterations == pytest.approx(k / 2)
+    assert save.repeated_s == pytest.approx(k / 2 * T * (1 + o) + 600)
+    assert save.repeated_gpu_hours == pytest.approx(save.repeated_s * 16384 / 3600)  # type: ignore[operator]
+    # the write is shorter than an iteration: an async save every iteration costs its snapshot only
+    assert c.system("checkfreq").overhead_every_iteration == pytest.approx(snapshot / T)
+    assert c.throughput_every_iteration["torch-save"] == pytest.approx(1 + (snapshot + write) / T)
+    cm = c.system("checkmate")
+    lag, _ = measured_lag()
+    assert cm.interval_at_budget == 1
+    assert cm.repeated_iterations == pytest.approx(0.5 + lag)
+    assert c.shadows is not None and c.shadows["processes"] > 0
+
+
+def test_slower_storage_makes_checkmate_further_ahead() -> None:
+    base = compare(named("llama3-405b"))
+    slow = compare(with_overrides(named("llama3-405b"), [("storage_write_gbytes_per_s", "100")]))
+    for peer in PEERS:
+        assert slow.throughput_every_iteration[peer] > base.throughput_every_iteration[peer]
+        assert slow.system(peer).interval_at_budget > base.system(peer).interval_at_budget  # type: ignore[operator]
+    assert slow.config.sources["storage_write_gbytes_per_s"].kind == "given"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_input_has_a_source_and_nothing_is_attributed_to_the_testbed_paper(name: str) -> None:
+    config = named(name)
+    assert set(config.sources) == set(INPUT_FIELDS)
+    for field_name, source in config.sources.items():
+        assert source.kind in ("cited", "derived", "measured", "assumed"), field_name
+        assert source.text, field_name
+        if source.kind == "cited":
+            assert "NSDI" not in source.text, f"{field_name}: no testbed figure is cited from the paper"
+    if name == "checkmate-testbed":
+        kinds = {config.sources[f].kind for f in ("gpus", "nic_gbps", "model_params", "iteration_time_s")}
+        assert kinds == {"assumed"}
+
+
+def test_a_missing_source_is_refused() -> None:
+    config = named("llama3-405b")
+    sources = dict(config.sources)
+    del sources["nic_gbps"]
+    with pytest.raises(CompareError, match="nic_gbps has no source"):
+        compare(replace(config, sources=sources))
+
+
+def test_shadows_that_cannot_keep_up_leave_checkmate_without_an_interval() -> None:
+    c = compare(with_overrides(named("llama3-405b"), [("iteration_time_s", "0.001")]))
+    cm = c.system("checkmate")
+    assert cm.interval_at_budget is None and cm.repeated_s is None
+    assert "shadows cannot keep up" in cm.note
+    assert c.more_often_at_budget == {p: None for p in PEERS}
+    assert MAX_INTERVAL >= 10**9
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["nope"], "unknown cluster configuration 'nope'"),
+        (["llama3-405b", "--set", "nic_gbps=-5"], "nic_gbps must be positive"),
+        (["--set", "storage_write_gbytes_per_s=0"], "storage_write_gbytes_per_s must be positive"),
+        (["--set", "snapshot_gbytes_per_s=nan"], "snapshot_gbytes_per_s must be a finite number"),
+        (["llama3-405b", "--set", "model_params=1e15"], "model_params 1e+15 x checkpoint_bytes_per_param"),
+        (["--set", "gpus=3"], "gpus 3 is not dp"),
+        (["--set", "gpus=2.5"], "gpus=2.5: not an integer"),
+        (["llama3-405b", "--set", "dp=1", "--set", "model_parallel=16384"], "dp must be >= 2"),
+        (["llama3-405b", "--set", "checkpoint_writers=100000"], "checkpoint_writers 100000 exceeds gpus"),
+        (["--set", "switch=arista"], "switch 'arista' unknown"),
+        (["--set", "checkmate_overhead=1"], "checkmate_overhead must be in [0, 1)"),
+        (["--set", "restart_s=-1"], "restart_s must be >= 0"),
+        (["--set", "bogus=1"], "--set bogus: no such field"),
+        (["--set", "nic_gbps"], "is not FIELD=VALUE"),
+    ],
+)
+def test_bad_configurations_are_refused_naming_the_field(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert ctl_main(["plan", "--compare", *argv]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err
+    assert "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+def test_plan_without_compare_still_needs_its_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert ctl_main(["plan", "--model-params", "7B"]) == 2
+    assert "required: --optimizer, --iteration-time, --dp" in capsys.readouterr().err
+    assert ctl_main(["plan", "--model-params", "7B", "--set", "gpus=8"]) == 2
+    assert "go with --compare" in capsys.readouterr().err
+
+
+def test_cli_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert ctl_main(["plan", "--compare"]) == 0
+    text = capsys.readouterr().out
+    for name in CONFIGS:
+        assert f"{name}: " in text
+    assert "projected by the model" in text
+    assert "cited: The Llama 3 Herd of Models" in text
+    assert ctl_main(["plan", "--compare", "llama3-405b", "--json", "--check-bench"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    (cluster,) = document["clusters"]
+    assert cluster["config"]["name"] == "llama3-405b"
+    assert cluster["config"]["sources"]["failures"].startswith("cited: ")
+    assert {s["system"] for s in cluster["systems"]} == {"checkmate", *PEERS}
+    assert "machine_check" in document
+
+
+def _bench_files(tmp_path: Path, measured_ratio: float) -> tuple[Path, Path]:
+    bench = tmp_path / "bench.json"
+    bench.write_text(
+        json.dumps(
+            {
+                "systems": [{"name": "checkmate", "shadow_lag_iterations": {"mean": 1.25}}],
+                "runs": [
+                    {
+                        "workload": "big",
+                        "placement": "partitioned",
+                        "settings": {"model": "a model (~100 MB of parameters + AdamW state)"},
+                        "systems": [
+                            {"name": "ideal-gloo", "mean_iteration_ms": 1000.0, "checkpoint_every": None},
+                            {"name": "torch-save-1", "checkpoint_every": 1, "ratio_to_ideal": measured_ratio},
+                        ],
+                    }
+                ],
+            }
+        )
+    )
+    disk = tmp_path / "disk.json"
+    disk.write_text(json.dumps({"rows": [{"bytes_written": 10_000_000, "seconds_per_write": 0.1}]}))
+    return bench, disk
+
+
+def test_the_machine_check_predicts_from_the_measured_figures(tmp_path: Path) -> None:
+    bench, disk = _bench_files(tmp_path, 0.5)
+    (check,) = machine_check(bench, disk)
+    # 100 MB at 100 MB/s = 1 s, plus a 20 ms snapshot at 5 GB/s, on a 1 s iteration
+    assert check.write_s == pytest.approx(1.0)
+    (row,) = check.rows
+    assert row.predicted_ratio == pytest.approx(1 / 2.02)
+    assert row.error == pytest.approx(1 / 2.02 / 0.5 - 1)
+    assert "| yes |" in "\n".join(machine_markdown([check]))
+    bench, disk = _bench_files(tmp_path, 0.8)
+    (check,) = machine_check(bench, disk)
+    text = "\n".join(machine_markdown([check]))
+    assert "| **no** |" in text and "0 of 1 within 15 %" in text
+    assert measured_lag(bench) == (1.25, measured_lag(bench)[1])
+    assert measured_lag(bench)[1].kind == "measured"
+    assert measured_lag(tmp_path / "missing.json")[1].kind == "assumed"
+    with pytest.raises(CompareError, match="cannot read the measured results"):
+        machine_check(tmp_path / "missing.json", disk)
+
+
+def test_docs_comparison_is_up_to_date(tmp_path: Path) -> None:
+    doc = capacity_table.DOC.read_text()
+    block = capacity_table.render_compare()
+    assert block in doc, "run python -m controller.capacity_table"
+    stale = tmp_path / "capacity.md"
+    stale.write_text(doc.replace(block.splitlines()[4], block.splitlines()[4] + " stale"))
+    assert capacity_table.main(["--check", "--doc", str(stale)]) == 1
