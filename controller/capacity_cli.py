@@ -3,6 +3,7 @@
 The plan itself is :func:`controller.capacity.plan` (docs/capacity.md); this module
 parses sizes such as ``70e9`` / ``7B`` / ``350M``, builds the
 :class:`~controller.capacity.PlanRequest`, and prints the plan as text or JSON.
+``plan --compare`` prints :mod:`controller.cluster_compare`'s cluster-scale comparison instead.
 """
 
 from __future__ import annotations
@@ -222,6 +223,23 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
 
 def run_compare(args: argparse.Namespace, prog: str = "checkmate-ctl") -> int:
     """``checkmate-ctl plan --compare``: the cluster table; 2 naming the field for a bad configuration."""
+    given = [
+        flag
+        for flag, value in (
+            ("--model-params", args.model_params),
+            ("--optimizer", args.optimizer),
+            ("--iteration-time", args.iteration_time),
+            ("--dp", args.dp),
+        )
+        if value is not None
+    ]
+    if given:
+        print(
+            f"{prog}: error: plan --compare takes its sizes from the named configurations, not "
+            f"{', '.join(given)} (use --set FIELD=VALUE)",
+            file=sys.stderr,
+        )
+        return 2
     overrides: list[tuple[str, str]] = []
     for item in args.compare_set:
         name, sep, value = item.partition("=")

@@ -138,6 +138,7 @@ def test_shadows_that_cannot_keep_up_leave_checkmate_without_an_interval() -> No
         (["--set", "restart_s=-1"], "restart_s must be >= 0"),
         (["--set", "bogus=1"], "--set bogus: no such field"),
         (["--set", "nic_gbps"], "is not FIELD=VALUE"),
+        (["--dp", "8"], "not --dp (use --set FIELD=VALUE)"),
     ],
 )
 def test_bad_configurations_are_refused_naming_the_field(
@@ -164,6 +165,8 @@ def test_cli_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert f"{name}: " in text
     assert "projected by the model" in text
     assert "cited: The Llama 3 Herd of Models" in text
+    assert ctl_main(["plan", "--compare", "checkmate-testbed", "--set", "restart_s=60"]) == 0
+    assert "restart_s = 60  [given: --set restart_s=60]" in capsys.readouterr().out
     assert ctl_main(["plan", "--compare", "llama3-405b", "--json", "--check-bench"]) == 0
     document = json.loads(capsys.readouterr().out)
     (cluster,) = document["clusters"]
