@@ -34,7 +34,7 @@ from checkmate.control import (
     recv_message,
     send_message,
 )
-from checkmate.control_frame import ControlAuth, bind, process_auth
+from checkmate.control_frame import ControlAuth, FrameAuthError, bind, process_auth
 from hosts.transport import Addr
 
 logger = logging.getLogger(__name__)
@@ -61,8 +61,14 @@ class ShadowLink:
         job_id: int,
         on_certified: Callable[[str, Certified], None] | None = None,
         auth: ControlAuth | None = None,
+        check_identity: bool = True,
     ) -> None:
+        """``check_identity``: refuse a shadow whose hello names another node than ``name`` (the
+        name is in the connection's keys, so a connection redirected to another shadow of the job
+        is refused at the hello); False for names the user never gave (``CHECKMATE_SHADOWS``
+        entries without ``NAME=``)."""
         self.name = name
+        self._identity = name if check_identity else None
         self._auth = auth if auth is not None else process_auth()
         self.job_id = job_id
         self._busy = False
@@ -185,7 +191,21 @@ class ShadowLink:
             self._stop.wait(self.config.reconnect_interval)
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        bind(sock, self._auth, self.job_id)
+        session = bind(sock, self._auth, self.job_id, name=self._identity)
+        try:
+            session.read_hello(sock)
+        except FrameAuthError as exc:  # another node answered: not ours to seed
+            sock.close()
+            self._count("wrong_identity")
+            self._warn("refusing shadow %s at %s: %s", self.name, self.address, exc)
+            self._stop.wait(self.config.reconnect_interval)
+            return
+        except (OSError, ControlProtocolError) as exc:
+            sock.close()
+            self._count("connect_failures")
+            self._warn("shadow %s at %s: no valid hello (%s)", self.name, self.address, exc)
+            self._stop.wait(self.config.reconnect_interval)
+            return
         with self._cond:
             self._sock = sock
             self._needs_state = True
@@ -297,8 +317,12 @@ class ControlChannel:
         shadows: Mapping[str, Addr],
         config: ControlConfig | None = None,
         secret: bytes | None = None,
+        unnamed: Collection[str] = (),
     ) -> None:
-        """``secret``: the job's (None: this process's, :func:`checkmate.auth.secret_from_env`)."""
+        """``secret``: the job's (None: this process's, :func:`checkmate.auth.secret_from_env`).
+
+        Every link refuses a shadow whose hello names another node, except the links of
+        ``unnamed`` (names this process made up because the user gave none)."""
         self.config = config or ControlConfig()
         self._auth = ControlAuth(secret) if secret is not None else process_auth()
         self.job_id = job_id
@@ -306,8 +330,10 @@ class ControlChannel:
         self.divergences: list[dict[str, object]] = []
         """Every divergence a shadow reported, oldest first (see :class:`~checkmate.control.Diverged`)."""
         self._lock = threading.Condition()
+        self._unnamed = frozenset(unnamed)
         self.links = [
-            ShadowLink(n, a, self.config, job_id, self._on_certified, self._auth) for n, a in shadows.items()
+            ShadowLink(n, a, self.config, job_id, self._on_certified, self._auth, n not in self._unnamed)
+            for n, a in shadows.items()
         ]
 
         for link in self.links:
@@ -402,7 +428,15 @@ class ControlChannel:
         leaving = [link for link in self.links if link not in keep]
         kept = {link.name for link in keep}
         new = [
-            ShadowLink(name, address, self.config, self.job_id, self._on_certified, self._auth)
+            ShadowLink(
+                name,
+                address,
+                self.config,
+                self.job_id,
+                self._on_certified,
+                self._auth,
+                name not in self._unnamed,
+            )
             for name, address in shadows.items()
             if name not in kept
         ]

@@ -217,6 +217,7 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
                 config.job_id,
                 config.shadow_control,
                 ControlConfig(connect_timeout=config.shadow_connect_timeout),
+                unnamed=config.unnamed_shadows,
             )
             up = self.channel.wait_connected(config.shadow_connect_timeout)
             logger.info("%d of %d shadows reachable at start", up, len(config.shadow_control))

@@ -49,6 +49,10 @@ class CheckmateConfig:
     job: JobSpec | None = None
     shadow_control: Mapping[str, Addr] = field(default_factory=dict)
     """Shadow name -> control-channel TCP address (used by rank 0 only)."""
+    unnamed_shadows: frozenset[str] = frozenset()
+    """Names of ``shadow_control`` made up here (``shadow<i>``: a ``CHECKMATE_SHADOWS`` entry
+    without ``NAME=``). Rank 0 refuses a shadow whose hello names another node than the name it
+    was given; it cannot check these."""
     timeout: float = 300.0
     peer_timeout: float = 30.0
     keep_iterations: int = 4
@@ -191,9 +195,13 @@ class CheckmateConfig:
                     + (f" / CHECKMATE_TP_DEGREE {tp}" if tp > 1 else "")
                 )
         listed = env.get(f"CHECKMATE_SHADOWS_TP{tp_index}") if tp > 1 else None
+        unnamed: set[str] = set()
         for i, item in enumerate(filter(None, (listed or env.get("CHECKMATE_SHADOWS", "")).split(","))):
             name, _, address = item.rpartition("=")
-            shadows[name or f"shadow{i}"] = resolve(address, DEFAULT_CONTROL_PORT)
+            if not name:
+                name = f"shadow{i}"
+                unnamed.add(name)
+            shadows[name] = resolve(address, DEFAULT_CONTROL_PORT)
         if "CHECKMATE_BIND" in env:
             bind = resolve(env["CHECKMATE_BIND"])
         elif workers is not None:
@@ -222,6 +230,7 @@ class CheckmateConfig:
             workers=workers,
             job=job,
             shadow_control=shadows,
+            unnamed_shadows=frozenset(unnamed),
             timeout=float(env.get("CHECKMATE_TIMEOUT", "300")),
             peer_timeout=float(env.get("CHECKMATE_PEER_TIMEOUT", "30")),
             faults=faults,

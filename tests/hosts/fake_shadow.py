@@ -35,7 +35,7 @@ class FakeShadow:
                 conn, _ = self._server.accept()
             except TimeoutError:
                 continue
-            bind(conn, server=True)
+            bind(conn, server=True, name=self.name)
             self.connections += 1
             with conn:
                 while not self._stop.is_set():

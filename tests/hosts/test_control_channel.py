@@ -162,7 +162,7 @@ def test_down_shadow_never_blocks_and_is_resynchronised_when_it_appears() -> Non
     assert time.monotonic() - start < 1.0
     stats = channel.stats()["s"]
     assert stats["connect_failures"] >= 1 and stats["dropped_unsynced"] == 50
-    shadow = FakeShadow(("127.0.0.31", port))
+    shadow = FakeShadow(("127.0.0.31", port), name="s")
     try:
         assert channel.wait_connected(3.0) == 1
         assert channel.needs_state()
@@ -201,7 +201,7 @@ def test_an_idle_link_does_not_wake_and_a_message_wakes_it_at_once() -> None:
     probe.bind(("127.0.0.32", 0))
     port = probe.getsockname()[1]
     probe.close()
-    shadow = FakeShadow(("127.0.0.32", port))
+    shadow = FakeShadow(("127.0.0.32", port), name="s")
     channel = ControlChannel(1, {"s": ("127.0.0.32", port)}, ControlConfig(connect_timeout=2.0))
     try:
         assert channel.wait_connected(3.0) == 1
@@ -222,3 +222,28 @@ def test_an_idle_link_does_not_wake_and_a_message_wakes_it_at_once() -> None:
     finally:
         channel.close(1.0)
         shadow.close()
+
+
+def test_rank0_refuses_a_shadow_that_names_another_node() -> None:
+    """A connection redirected to the job's other shadow is refused at the hello (issue 29)."""
+    other = FakeShadow(("127.0.0.35", 0), name="sb")
+    config = ControlConfig(connect_timeout=1.0, reconnect_interval=0.1)
+    channel = ControlChannel(1, {"sa": other.address}, config)
+    try:
+        assert channel.wait_connected(1.0) == 0
+        deadline = time.monotonic() + 3
+        while channel.stats()["sa"].get("wrong_identity", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert channel.stats()["sa"].get("wrong_identity", 0) >= 1
+        channel.post_state(lambda: _state(0))  # type: ignore[arg-type,return-value]
+        time.sleep(0.3)
+        assert not other.messages, "rank 0 sent its state to a shadow that is not the one it named"
+    finally:
+        channel.close(1.0)
+    # a name the user never gave (CHECKMATE_SHADOWS entry without NAME=) cannot be checked
+    unchecked = ControlChannel(1, {"shadow0": other.address}, config, unnamed={"shadow0"})
+    try:
+        assert unchecked.wait_connected(3.0) == 1
+    finally:
+        unchecked.close(1.0)
+        other.close()

@@ -182,3 +182,13 @@ def test_replication_mode_from_env_and_shadow_data_address(tmp_path: Path) -> No
         }
     )
     assert plain.shadow_data_address(1) == ("127.0.0.61", CHECKMATE_UDP_PORT)
+    assert plain.unnamed_shadows == frozenset()  # named: rank 0 checks each hello's name
+    mixed = CheckmateConfig.from_env(
+        {
+            "RANK": "0",
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "CHECKMATE_SHADOWS": "127.0.0.60:1,b=127.0.0.61:2",
+        }
+    )
+    assert list(mixed.shadow_control) == ["shadow0", "b"] and mixed.unnamed_shadows == {"shadow0"}

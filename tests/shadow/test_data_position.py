@@ -226,7 +226,7 @@ def _train(rank: int, world: int, store: str, env: dict[str, str]) -> dict[str, 
 
 
 def test_rank0_sends_the_position_set_before_each_step_with_that_iteration() -> None:
-    shadow = FakeShadow(("127.0.0.33", 0))
+    shadow = FakeShadow(("127.0.0.33", 0), name="s0")
     env = {"CHECKMATE_JOB_ID": "11", "CHECKMATE_SHADOWS": f"s0=127.0.0.33:{shadow.address[1]}"}
     try:
         with tempfile.TemporaryDirectory() as tmp:
