@@ -345,7 +345,12 @@ def _system(
             None,
             None,
             None,
-            note or f"no interval up to {MAX_INTERVAL:,} iterations keeps the overhead at 5 %",
+            note
+            or (
+                f"Checkmate costs {every:.1%} of every iteration, whatever the interval"
+                if name == "checkmate"
+                else f"no interval up to {MAX_INTERVAL:,} iterations keeps the overhead at 5 %"
+            ),
         )
     o = overhead(name, k, snapshot_s, write_s, T, config.checkmate_overhead)
     t_eff = T * (1 + o)

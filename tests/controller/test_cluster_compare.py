@@ -112,6 +112,16 @@ def test_a_missing_source_is_refused() -> None:
         compare(replace(config, sources=sources))
 
 
+def test_a_checkmate_that_costs_more_than_five_percent_has_no_interval() -> None:
+    c = compare(with_overrides(named("checkmate-testbed"), [("checkmate_overhead", "0.1")]))
+    cm = c.system("checkmate")
+    assert cm.interval_at_budget is None
+    assert "costs 10.0% of every iteration" in cm.note
+    assert c.throughput_every_iteration["torch-save"] == pytest.approx(
+        (1 + c.system("torch-save").overhead_every_iteration) / 1.1
+    )
+
+
 def test_shadows_that_cannot_keep_up_leave_checkmate_without_an_interval() -> None:
     c = compare(with_overrides(named("llama3-405b"), [("iteration_time_s", "0.001")]))
     cm = c.system("checkmate")
