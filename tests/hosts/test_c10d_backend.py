@@ -185,15 +185,27 @@ def _unsupported(rank: int, world: int) -> list[str]:
     return messages
 
 
-def _ddp_steps(process_group: Any, rank: int, steps: int) -> list[torch.Tensor]:
-    """A small MLP under DDP on ``process_group``, trained ``steps`` SGD steps; its parameters after."""
+def _ddp_steps(process_group: Any, rank: int, steps: int, hook: bool = False) -> dict[str, Any]:
+    """A small MLP under DDP on ``process_group``, trained ``steps`` SGD steps; its parameters after.
+
+    ``hook``: with :func:`hosts.enable_checkmate` too (no shadows): the hook's ring reduces the
+    gradients, tagged per iteration, and the backend carries DDP's set-up and the agent's rendezvous.
+    """
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hosts.ddp import CheckmateConfig, enable_checkmate
 
     torch.manual_seed(100 + rank)  # different on every rank: DDP's initial broadcast must fix that
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     ddp = DDP(model, process_group=process_group, bucket_cap_mb=0.001)  # several buckets
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    agent = None
+    if hook:
+        config = CheckmateConfig(
+            job_id=5, rank=rank, world_size=process_group.size(), bind=(_bind(rank, 225), 48879)
+        )
+        agent = enable_checkmate(ddp, optimizer, config)
     data = torch.Generator().manual_seed(7 + rank)
     for _ in range(steps):
         x = torch.randn(8, 16, generator=data)
@@ -201,7 +213,11 @@ def _ddp_steps(process_group: Any, rank: int, steps: int) -> list[torch.Tensor]:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
+    out: dict[str, Any] = {"params": [p.detach().clone() for p in model.parameters()]}
+    if agent is not None:
+        out["tagged_iterations"] = sorted({tag.iteration for tag in agent.ring.tag_log})
+        agent.close()
+    return out
 
 
 def _tagging(rank: int, world: int) -> dict[str, int]:
@@ -249,11 +265,17 @@ def _rank_main(rank: int, world: int, port: int, backend: str, datapath: str, se
     }
     out["failures"] = _suite(rank, world, seed, gloo)
     out["unsupported"] = _unsupported(rank, world)
-    ours = _ddp_steps(default, rank, steps=3)
-    theirs = _ddp_steps(gloo, rank, steps=3)
+    ours = _ddp_steps(default, rank, steps=3)["params"]
+    theirs = _ddp_steps(gloo, rank, steps=3)["params"]
+    hooked = _ddp_steps(default, rank, steps=3, hook=True)
     out["ddp_same"] = [torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)]
     out["ddp_close"] = [torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ours, theirs, strict=True)]
     out["ddp_params"] = ours
+    out["hook_same"] = [torch.equal(a, b) for a, b in zip(hooked["params"], theirs, strict=True)]
+    out["hook_close"] = [
+        torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(hooked["params"], theirs, strict=True)
+    ]
+    out["hook_tagged_iterations"] = hooked["tagged_iterations"]
     out["tagging"] = _tagging(rank, world)
     out["drops"] = default.transport.drops()
     out["idle"] = default.transport.wait_idle(5.0)
@@ -280,6 +302,11 @@ def test_backend_matches_gloo(world: int, backend: str, datapath: str) -> None:
         assert all(out["ddp_close"]), f"rank {rank}: DDP on checkmate drifted from gloo"
         if world == 2:  # one addition per element: the same bits as gloo
             assert all(out["ddp_same"]), f"rank {rank}: DDP on checkmate differs from gloo"
+        # DDP + enable_checkmate on the backend: the hook's ring reduces (tagged, per iteration)
+        assert out["hook_tagged_iterations"] == [0, 1, 2], out["hook_tagged_iterations"]
+        assert all(out["hook_close"]), f"rank {rank}: DDP + hook on checkmate drifted from gloo"
+        if world == 2:
+            assert all(out["hook_same"]), f"rank {rank}: DDP + hook on checkmate differs from gloo"
         # every rank ends DDP with the same parameters
         for a, b in zip(out["ddp_params"], results[0]["ddp_params"], strict=True):
             assert torch.equal(a, b)
