@@ -451,15 +451,27 @@ class CheckmateProcessGroup(dist.ProcessGroup):
     def recv_anysource(self, *args: Any, **kwargs: Any) -> dist.Work:
         return _unsupported("recv_anysource", "a gloo group for point-to-point")
 
-    def all_gather_single_coalesced(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return _unsupported("all_gather_into_tensor_coalesced", "all_gather_into_tensor once per tensor")
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        """``all_gather_into_tensor`` of each (output, input) pair, as one Work."""
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{len(outputs)} outputs for {len(inputs)} inputs")
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return _all_of(works, outputs)
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # old name
 
-    def reduce_scatter_single_coalesced(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return _unsupported("reduce_scatter_tensor_coalesced", "reduce_scatter_tensor once per tensor")
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        """``reduce_scatter_tensor`` of each (output, input) pair, as one Work (functional collectives)."""
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{len(outputs)} outputs for {len(inputs)} inputs")
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return _all_of(works, outputs)
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # old name
 
     def shutdown(self) -> None:
         """``dist.destroy_process_group``: drain, stop the ring and close the transport."""
@@ -726,6 +738,18 @@ def _done(value: Any) -> dist.Work:
     future: torch.futures.Future[Any] = torch.futures.Future()
     future.set_result(value)
     return _create_work_from_future(future)
+
+
+def _all_of(works: list[dist.Work], value: Any) -> dist.Work:
+    """One Work completing with ``value`` once all ``works`` have (failing with the first error)."""
+    futures = [work.get_future() for work in works]
+
+    def check(done: torch.futures.Future[Any]) -> Any:
+        for future in done.value():
+            future.value()  # raises the collective's error
+        return value
+
+    return _create_work_from_future(torch.futures.collect_all(futures).then(check))
 
 
 def _unsupported(collective: str, instead: str) -> dist.Work:

@@ -147,6 +147,15 @@ def _suite(rank: int, world: int, seed: int, gloo: Any) -> list[str]:
                 if world == 2:
                     same(f"reduce_scatter_tensor vs gloo, {tag}", ours, theirs)
                 close(f"reduce_scatter_tensor vs gloo, {tag}", ours, theirs, part_magnitude)
+            # functional collectives (DTensor's): all_reduce and reduce_scatter_tensor (its coalesced form)
+            functional = torch.ops._c10d_functional
+            group_name = _ours(None).group_name
+            ours = functional.wait_tensor(
+                functional.reduce_scatter_tensor(big[rank], "sum", world, group_name)
+            )
+            same(f"functional reduce_scatter_tensor, {tag}", ours, expected)
+            ours = functional.wait_tensor(functional.all_reduce(mine, "sum", group_name))
+            same(f"functional all_reduce, {tag}", ours, reference_allreduce(xs, ReduceOp.SUM))
             avg = torch.empty(n, dtype=dtype)
             dist.reduce_scatter_single(avg, big[rank], op=dist.ReduceOp.AVG)
             close(f"reduce_scatter_tensor AVG vs SUM/world, {tag}", avg, expected / world, part_magnitude)
