@@ -302,7 +302,8 @@ def test_backend_matches_gloo(world: int, backend: str, datapath: str) -> None:
     for rank, out in enumerate(results):
         assert out["backend"] == backend and out["name"] == "checkmate", out
         assert out["address"][0] == _bind(rank) and out["datapath"] == datapath
-        assert out["drops"] == {} and out["idle"], (out["drops"], out["idle"])
+        # no datagram refused (a retransmission's duplicate, under load, is the transport working)
+        assert set(out["drops"]) <= {"duplicate"} and out["idle"], (out["drops"], out["idle"])
         assert out["failures"] == [], f"seed {seed}, rank {rank}:\n" + "\n".join(out["failures"])
         for message in out["unsupported"]:
             name = message.split(":")[0]
