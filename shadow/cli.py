@@ -112,6 +112,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--repair-timeout", type=float, default=0.1)
     run.add_argument("--threads", type=int, default=1, help="torch threads for the optimizer")
     run.add_argument(
+        "--apply-threads",
+        type=int,
+        default=None,
+        help="threads that step a large Adam/AdamW shard, bit for bit as one (default: the cores)",
+    )
+    run.add_argument(
         "--metrics-port",
         type=_metrics_port,
         default=None,
@@ -149,6 +155,7 @@ def _run(args: argparse.Namespace) -> int:
         status_file=args.status_file,
         horizon=args.horizon,
         repair=RepairPolicy(grace=args.repair_grace, timeout=args.repair_timeout),
+        apply_threads=args.apply_threads,
     )
     stop = threading.Event()
 

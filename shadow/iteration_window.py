@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from checkmate.tensors import payload_tensor, torch_dtype
+from checkmate.tensors import torch_dtype
 from checkmate.wire import CheckmateHeader, DType, MessageType
 from shadow.optimizer_apply import StepRecord
 from shadow.reassembly import BucketAssembly, PlaceResult, ReassemblyError
@@ -138,7 +138,7 @@ class IterationWindow:
             return self._drop(refused)
         assembly = self._iteration(header.iteration).buckets[header.bucket_id]
         try:
-            result = assembly.place(header.element_offset, payload_tensor(payload, header.dtype))
+            result = assembly.place_bytes(header.element_offset, header.element_count, payload)
         except ReassemblyError:
             return self._drop(DropReason.OUT_OF_RANGE)
         if result is PlaceResult.DUPLICATE:
@@ -146,6 +146,12 @@ class IterationWindow:
         self.stats.placed_packets += 1
         self.stats.placed_elements += header.element_count
         return None
+
+    def bucket_complete(self, iteration: int, bucket_id: int) -> bool:
+        """Whether ``bucket_id`` of ``iteration`` holds every element (False if not started)."""
+        pending = self.pending.get(iteration)
+        assembly = pending.buckets.get(bucket_id) if pending is not None else None
+        return assembly is not None and assembly.complete
 
     def commit(self, step: StepRecord) -> DropReason | None:
         """Record an iteration's commit (what is not in the gradients)."""

@@ -155,6 +155,8 @@ class ShadowNode(Receiver, ControlServer, Applier, StateService, Maintenance):
             conn.close()
         for thread in self._threads:
             thread.join(timeout)
+        if self._epoch is not None:
+            self._epoch.optimizer.close()  # its apply threads (an epoch replaced earlier: collected)
         if self.snapshotter is not None:
             self.snapshotter.close(timeout)
         self._write_status()

@@ -241,6 +241,7 @@ class ControlServer(NodeState):
                 self._job is not None
                 and (self._job.world_size, self._job.workers) != (job.world_size, job.workers)
             )
+            self._restash_unconfirmed()  # placed under the old layout: sorted out with the stash below
             self._job = job
             self._job_conn = conn
             self._pending_start = message
@@ -384,7 +385,7 @@ class ControlServer(NodeState):
         static: dict[str, torch.Tensor] = {}
         if unbucketed and job.shard_keys and min(job.shard_keys) == min(b.shard_key for b in message.buckets):
             static = {n: start.tensors[f"param/{n}"].clone() for n in unbucketed}
-        optimizer = self._make_optimizer(job.optimizer, start, owned)
+        optimizer = self._make_optimizer(job.optimizer, start, owned, self.config.threads())
         window = IterationWindow(
             job.job_id, window_layouts, owned_buckets, start.start_iteration, horizon=self.config.horizon
         )
@@ -400,12 +401,14 @@ class ControlServer(NodeState):
         )
 
     @staticmethod
-    def _make_optimizer(spec_json: Mapping[str, Any], start: JobStart, owned: set[str]) -> ShadowOptimizer:
+    def _make_optimizer(
+        spec_json: Mapping[str, Any], start: JobStart, owned: set[str], threads: int = 1
+    ) -> ShadowOptimizer:
         initial = {
             key[len("param/") :]: tensor for key, tensor in start.tensors.items() if key.startswith("param/")
         }
         spec = OptimizerSpec.from_json(spec_json)
-        optimizer = ShadowOptimizer(initial, spec, owned)
+        optimizer = ShadowOptimizer(initial, spec, owned, threads)
         for name, parameter in optimizer.parameters.items():
             state: dict[str, Any] = {}
             prefix = f"state/{name}/"
@@ -481,5 +484,6 @@ class ControlServer(NodeState):
             epoch = self._epoch
             if epoch is not None:
                 epoch.confirmed_through = max(epoch.confirmed_through, message.iteration)
+                self._forget_unconfirmed(epoch)
                 self._drain_stash()
             self._lock.notify_all()

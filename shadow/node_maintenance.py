@@ -93,6 +93,8 @@ class Maintenance(NodeState):
                 "stash": {
                     "datagrams": sum(len(v) for v in self._stash.values()),
                     "bytes": self._stash_bytes,
+                    # copies placed before their commit (undone if rank 0 changes the layout first)
+                    "placed_ahead": sum(len(v) for v in epoch.unconfirmed.values()) if epoch else 0,
                 },
                 "drops": dict(sorted(drops.items())),
                 "repairs": dict(vars(repairs)) if repairs else {},
@@ -186,8 +188,10 @@ class Maintenance(NodeState):
             waited = now - self._commits[nxt].arrival
             if waited > 1.0 and window.pending.get(nxt) is not None and not window.pending[nxt].complete:
                 self._blocked = f"iteration {nxt}: owned buckets incomplete {waited:.1f}s after its commit"
-        elif self._stash.get(nxt):
-            waited = now - self._stash[nxt][0][1]
+        elif self._stash.get(nxt) or epoch.unconfirmed.get(nxt):
+            arrivals = [entry[1] for entry in self._stash.get(nxt, [])[:1]]
+            arrivals += [copy.arrival for copy in epoch.unconfirmed.get(nxt, [])[:1]]
+            waited = now - min(arrivals)
             if waited > 1.0:
                 self._blocked = f"iteration {nxt}: no commit record {waited:.1f}s after its first copy"
         return None

@@ -2,9 +2,13 @@
 
 It decodes each datagram on the data port (copies, REPAIR_DATA, NACK) and places it into
 the epoch's :class:`~shadow.iteration_window.IterationWindow` under the node's ``_lock``
-(a copy into the bucket buffer), or stashes it raw (bounded in bytes) while its
-iteration's commit, which alone fixes the bucket layout it used, has not arrived. It
-never touches the disk or the optimizer.
+(one copy into the bucket buffer). Only an iteration's commit confirms the bucket layout
+its copies used, and copies arrive before it; since layouts change rarely (at job start,
+when DDP rebuilds its buckets), a copy that fits the layout in force is placed at once
+and remembered until the commit comes; should rank 0 change the layout first, those copies
+go back to the stash and are placed again under the new one. Copies that do not fit (no
+epoch yet, another layout's bucket) are stashed raw (bounded in bytes) until the commit.
+It never touches the disk or the optimizer.
 """
 
 from __future__ import annotations
@@ -12,23 +16,25 @@ from __future__ import annotations
 import logging
 import time
 
+from checkmate.tensors import torch_dtype
 from checkmate.wire import (
     HEADER_BYTES,
     MAX_PAYLOAD_BYTES,
     CheckmateHeader,
+    DType,
     MessageType,
     WireFormatError,
     decode,
 )
 from shadow.iteration_window import DropReason
-from shadow.node_state import Addr, Epoch, Job, NodeState
+from shadow.node_state import Addr, Epoch, Job, NodeState, Unconfirmed
 
 logger = logging.getLogger(__name__)
 
 
 def _from_worker(job: Job, addr: Addr) -> bool:
     """A copy or repair answer may only come from one of the job's worker hosts (docs/security.md)."""
-    return not job.workers or any(addr[0] == host for host, _ in job.workers)
+    return not job.workers or addr[0] in job.worker_hosts
 
 
 class Receiver(NodeState):
@@ -84,11 +90,8 @@ class Receiver(NodeState):
                 self._repairs.on_answer(header)
             self._latest_seen = max(self._latest_seen, header.iteration)
             epoch = self._epoch
-            if (
-                epoch is None
-                or header.iteration > epoch.confirmed_through
-                or header.iteration >= epoch.window.next_iteration + epoch.window.horizon
-            ):
+            ahead = epoch is not None and header.iteration > epoch.confirmed_through
+            if epoch is None or (ahead and not self._fits(epoch, header)):
                 if epoch is not None:
                     refused = epoch.window.admits(header.iteration)
                     if refused is DropReason.STALE:
@@ -96,7 +99,69 @@ class Receiver(NodeState):
                     if header.iteration >= epoch.window.next_iteration + 2 * self.config.horizon:
                         return self._drop(DropReason.TOO_FAR_AHEAD.value)
                 return self._stash_datagram(header, data, now, addr)
-            return self._place(epoch, header, payload)
+            reason = self._place(epoch, header, payload)
+            if ahead and reason is None:
+                # Placed before its commit confirmed the layout (one pass, the common case):
+                # remembered, so that a layout change can put it back into the stash.
+                epoch.unconfirmed.setdefault(header.iteration, []).append(Unconfirmed(header, now, addr))
+            return reason
+
+    @staticmethod
+    def _fits(epoch: Epoch, header: CheckmateHeader) -> bool:
+        """Whether a copy ahead of its commit can be placed now under ``epoch``'s layout.
+
+        Yes for a DATA copy of an owned bucket (shard key, dtype and range as the layout
+        says) of an iteration inside the window: the layout holds unless rank 0 changes it,
+        and then :meth:`_restash_unconfirmed` undoes the placement. Anything else waits in
+        the stash for the commit, as every copy did before.
+        """
+        window = epoch.window
+        if (
+            header.msg_type is not MessageType.DATA
+            or header.iteration >= window.next_iteration + window.horizon
+        ):
+            return False
+        layout = window.layouts.get(header.bucket_id)
+        return (
+            layout is not None
+            and header.bucket_id in window.owned
+            and header.bucket_id in epoch.layout
+            and header.shard_key == epoch.layout[header.bucket_id].shard_key
+            and header.dtype is not DType.NONE
+            and torch_dtype(header.dtype) == layout.dtype
+            and header.element_offset + header.element_count <= layout.numel
+        )
+
+    def _restash_unconfirmed(self) -> None:
+        """Copies placed ahead of their commit go back to the stash as datagrams (lock held).
+
+        Called when the epoch ends (a job_start: a new layout or a new run), before the stash
+        is sorted out: they then meet exactly the fate a stashed copy meets (kept for the new
+        layout within the same run, dropped as stale otherwise). A bucket's elements hold each
+        copy's values, first copy first, as the stash replay would have placed them.
+        """
+        epoch = self._epoch
+        if epoch is None:
+            return
+        for iteration in sorted(epoch.unconfirmed):
+            pending = epoch.window.pending.get(iteration)
+            for header, arrival, source in epoch.unconfirmed[iteration]:
+                if pending is None:  # applied meanwhile: nothing to undo
+                    continue
+                payload = pending.buckets[header.bucket_id].payload(
+                    header.element_offset, header.element_count
+                )
+                self.stats.packets_placed -= 1
+                self.stats.elements_placed -= header.element_count
+                data = bytearray(header.pack())
+                data += payload
+                self._stash_datagram(header, memoryview(data), arrival, source)
+        epoch.unconfirmed.clear()
+
+    def _forget_unconfirmed(self, epoch: Epoch) -> None:
+        """Copies of iterations whose commit arrived are confirmed: nothing to undo (lock held)."""
+        for iteration in [i for i in epoch.unconfirmed if i <= epoch.confirmed_through]:
+            del epoch.unconfirmed[iteration]
 
     def _stash_datagram(
         self, header: CheckmateHeader, data: memoryview, now: float, addr: Addr
@@ -118,9 +183,12 @@ class Receiver(NodeState):
             return reason
         self.stats.packets_placed += 1
         self.stats.elements_placed += header.element_count
-        if header.msg_type is MessageType.REPAIR_DATA and self._repairs is not None:
-            self._repairs.stats.elements_repaired += header.element_count
-        self._lock.notify_all()
+        if header.msg_type is MessageType.REPAIR_DATA:
+            if self._repairs is not None:
+                self._repairs.stats.elements_repaired += header.element_count
+            self._lock.notify_all()
+        elif epoch.window.bucket_complete(header.iteration, header.bucket_id):
+            self._lock.notify_all()  # the apply thread waits for whole buckets, not for each copy
         return None
 
     def _drain_stash(self) -> None:

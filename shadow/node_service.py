@@ -91,7 +91,7 @@ class StateService(NodeState):
 
     def _load_resumed(self, start: JobStart, manifest: dict[str, Any], step: int) -> None:
         owned = {k[len("param/") :] for k in start.tensors if k.startswith("param/")}
-        optimizer = self._make_optimizer(start.optimizer, start, owned)
+        optimizer = self._make_optimizer(start.optimizer, start, owned, self.config.threads())
         job = Job(
             job_id=start.job_id,
             world_size=0,

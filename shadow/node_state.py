@@ -20,7 +20,8 @@ from checkmate.control_frame import ControlAuth
 from checkmate.job import JobSpec
 from checkmate.job_state import JobState
 from checkmate.network import Addr
-from checkmate.wire import CHECKMATE_UDP_PORT
+from checkmate.wire import CHECKMATE_UDP_PORT, CheckmateHeader
+from shadow.adam_apply import default_threads
 from shadow.gradient_check import GradientCheck
 from shadow.iteration_window import IterationWindow
 from shadow.optimizer_apply import ShadowOptimizer, StepRecord
@@ -63,6 +64,13 @@ class ShadowConfig:
     recv_buffer_bytes: int = 64 << 20
     secret: bytes | None = None
     """The job secret (None: this process's, :func:`checkmate.auth.secret_from_env`; none -> error)."""
+    apply_threads: int | None = None
+    """Threads that step Adam/AdamW shards of at least 2M parameters (:mod:`shadow.adam_apply`, bit
+    for bit as one thread); None: as many as this process's cores (``os.sched_getaffinity``), 1: off."""
+
+    def threads(self) -> int:
+        """:attr:`apply_threads`, or this process's cores."""
+        return self.apply_threads if self.apply_threads is not None else default_threads()
 
 
 @dataclass
@@ -79,6 +87,18 @@ class Epoch:
     """Owned parameters in no bucket (never updated); kept so a restore covers them."""
     confirmed_through: int
     """The latest iteration whose commit arrived in this epoch (its layout is certain)."""
+    unconfirmed: dict[int, list[Unconfirmed]] = field(default_factory=dict)
+    """Copies placed before their iteration's commit confirmed this layout, per iteration: a
+    layout change turns them back into stashed datagrams (:meth:`~shadow.node_receive.Receiver.
+    _restash_unconfirmed`), so they are placed again under the layout that holds."""
+
+
+class Unconfirmed(NamedTuple):
+    """A copy placed ahead of its commit: enough to rebuild the datagram from the bucket."""
+
+    header: CheckmateHeader
+    arrival: float
+    source: Addr
 
 
 @dataclass
@@ -95,6 +115,11 @@ class Job:
     fingerprint_every: int = 0
     """Rank 0 fingerprints every K-th iteration (and the last one it waits for); 0: never (GPU
     parameters): iterations are then certified on trust."""
+    worker_hosts: frozenset[str] = field(init=False)
+    """The workers' host addresses (copies and repair answers come only from them)."""
+
+    def __post_init__(self) -> None:
+        self.worker_hosts = frozenset(host for host, _ in self.workers)
 
 
 class CommitEntry(NamedTuple):
@@ -213,12 +238,14 @@ class NodeState:
 
         def status(self) -> dict[str, Any]: ...
         def _drain_stash(self) -> None: ...
+        def _restash_unconfirmed(self) -> None: ...
+        def _forget_unconfirmed(self, epoch: Epoch) -> None: ...
         def _send_control(self, message: Message) -> bool: ...
         def _request_state(self, conn: socket.socket, why: str) -> bool: ...
         def _checked_position(self, position: Any, iteration: int) -> Any: ...
         @staticmethod
         def _make_optimizer(
-            spec_json: Mapping[str, Any], start: JobStart, owned: set[str]
+            spec_json: Mapping[str, Any], start: JobStart, owned: set[str], threads: int = 1
         ) -> ShadowOptimizer: ...
         def _certify(self, iteration: int, epoch: Epoch | None = None, again: bool = False) -> bool: ...
         @staticmethod

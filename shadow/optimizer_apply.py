@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from checkmate.optimizers import OptimizerReplayError, optimizer_class
+from shadow.adam_apply import MIN_PER_THREAD, AdamApply, covers, foreach_matches, verified
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,15 @@ class GradientScaling:
 class ShadowOptimizer:
     """The parameters a shadow owns, and the optimizer that updates them."""
 
-    def __init__(self, initial: Mapping[str, torch.Tensor], spec: OptimizerSpec, owned: set[str]) -> None:
+    def __init__(
+        self,
+        initial: Mapping[str, torch.Tensor],
+        spec: OptimizerSpec,
+        owned: set[str],
+        threads: int = 1,
+    ) -> None:
+        """``threads``: how many threads step Adam/AdamW groups (:mod:`shadow.adam_apply`; bit for
+        bit the same for any count); every other optimizer steps with ``optimizer.step()``."""
         try:
             optimizer_cls = optimizer_class(
                 {"kind": spec.kind, "module": spec.module, "qualname": spec.qualname}
@@ -206,6 +215,85 @@ class ShadowOptimizer:
             raise OptimizerSpecError(f"{spec.kind} rejects the hyperparameters: {exc}") from exc
         self.iteration = -1
         """The last iteration applied (-1: none yet)."""
+        self.threads = max(1, threads)
+        self._blocked: AdamApply | None = None
+        self._probed: dict[tuple[Any, ...], bool] = {}
+        if self.threads > 1 and any(covers(self.optimizer, g) for g in self.optimizer.param_groups):
+            self._blocked = AdamApply(self.threads)
+
+    def close(self) -> None:
+        """Stop the apply threads (if any)."""
+        if self._blocked is not None:
+            self._blocked.close()
+
+    def _step(self) -> None:
+        """``optimizer.step()``, with the Adam/AdamW groups it covers on :mod:`shadow.adam_apply`."""
+        blocked = self._blocked
+        groups = self.optimizer.param_groups
+        fast = [g for g in groups if covers(self.optimizer, g)]
+        work = sum(p.numel() for g in fast for p in g["params"] if p.grad is not None)
+        # One thread's worth (or one thread): torch.optim's own step, through its foreach variant
+        # where that is bit for bit the same (one Python call per operation, not per tensor).
+        if blocked is None or work < 2 * MIN_PER_THREAD:
+            self._torch_step([g for g in fast if self._verified(g, foreach=True)])
+            return
+        fast = [g for g in fast if self._verified(g)]
+        if not fast:
+            self.optimizer.step()
+            return
+        with torch.no_grad():
+            left = blocked.step(self.optimizer, fast)
+        rest = [g for g in groups if not any(g is f for f in fast)]
+        if not left and not any(p.grad is not None for g in rest for p in g["params"]):
+            return
+        # What the blocked path did not take: torch.optim steps it, with the others' gradients hidden.
+        keep = {id(p) for p in left}
+        hidden = []
+        for group in fast:
+            for p in group["params"]:
+                if p.grad is not None and id(p) not in keep:
+                    hidden.append((p, p.grad))
+                    p.grad = None
+        try:
+            self.optimizer.step()
+        finally:
+            for p, grad in hidden:
+                p.grad = grad
+
+    def _torch_step(self, foreach: list[dict[str, Any]]) -> None:
+        """``optimizer.step()``, the ``foreach`` groups with torch's foreach implementation."""
+        saved = [group["foreach"] for group in foreach]
+        for group in foreach:
+            group["foreach"] = True
+        try:
+            self.optimizer.step()
+        finally:
+            for group, value in zip(foreach, saved, strict=True):
+                group["foreach"] = value
+
+    def _verified(self, group: Mapping[str, Any], foreach: bool = False) -> bool:
+        """The probe of :func:`shadow.adam_apply.verified` for this group's settings (cached)."""
+        dtypes = tuple(sorted({str(p.dtype) for p in group["params"]}))
+        flags = (
+            "foreach",
+            "fused",
+            "capturable",
+            "differentiable",
+            "amsgrad",
+            "maximize",
+            "decoupled_weight_decay",
+        )
+        key = (foreach, dtypes, group.get("weight_decay") != 0, *(repr(group.get(k)) for k in flags))
+        known = self._probed.get(key)
+        if known is None:
+            probe = foreach_matches if foreach else verified
+            known = all(
+                probe(self.optimizer, group, p.dtype)
+                for p in {str(p.dtype): p for p in group["params"]}.values()
+                if p.dtype in (torch.float32, torch.float64)
+            )
+            self._probed[key] = known
+        return known
 
     def apply(self, step: StepRecord, gradients: Mapping[str, torch.Tensor]) -> None:
         """Apply one iteration. ``gradients`` holds the reduced gradient of every owned parameter."""
@@ -242,7 +330,7 @@ class ShadowOptimizer:
                 # in the type the group holds (betas cycled by OneCycleLR arrive as a list)
                 group.update({k: _like(group.get(k), v) for k, v in step.hyperparameters[index].items()})
         if not step.skip_step:
-            self.optimizer.step()
+            self._step()
         for parameter in self.parameters.values():
             parameter.grad = None
         self.iteration = step.iteration

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from checkmate.tensors import tensor_payload
+
 logger = logging.getLogger(__name__)
 
 
@@ -40,6 +42,13 @@ class RangeSet:
 
     def covered(self) -> int:
         return sum(e - s for s, e in zip(self.starts, self.ends, strict=True))
+
+    def disjoint(self, start: int, end: int) -> bool:
+        """Whether no element of [start, end) is covered."""
+        i = bisect.bisect_right(self.starts, start) - 1
+        if i >= 0 and self.ends[i] > start:
+            return False
+        return i + 1 >= len(self.starts) or self.starts[i + 1] >= end
 
     def contains(self, start: int, end: int) -> bool:
         i = bisect.bisect_right(self.starts, start) - 1
@@ -77,6 +86,9 @@ class BucketAssembly:
         self.numel = numel
         self.buffer = torch.empty(numel, dtype=dtype)
         self.ranges = RangeSet()
+        self._itemsize = self.buffer.element_size()
+        self._bytes = tensor_payload(self.buffer) if numel else memoryview(bytearray())
+        """The buffer's memory as bytes: a payload is written with one memcpy, no tensor op."""
 
     @property
     def complete(self) -> bool:
@@ -96,6 +108,31 @@ class BucketAssembly:
             self.buffer[start:end].copy_(values[start - offset : end - offset])
         self.ranges.add(offset, offset + count)
         return PlaceResult.NEW
+
+    def place_bytes(self, offset: int, count: int, payload: memoryview) -> PlaceResult:
+        """:meth:`place` for ``count`` elements as raw bytes of the bucket's dtype (a wire payload)."""
+        size = self._itemsize
+        if len(payload) != count * size:
+            raise ReassemblyError(f"{len(payload)} payload bytes for {count} elements of {size} bytes")
+        if offset < 0 or offset + count > self.numel:
+            raise ReassemblyError(f"elements [{offset}, {offset + count}) lie past the bucket's {self.numel}")
+        end = offset + count
+        if count == 0 or self.ranges.contains(offset, end):
+            return PlaceResult.DUPLICATE
+        if self.ranges.disjoint(offset, end):  # the common case: all new, one copy
+            self._bytes[offset * size : end * size] = payload
+        else:  # covered elements keep their first value
+            for start, stop in self._uncovered(offset, end):
+                self._bytes[start * size : stop * size] = payload[
+                    (start - offset) * size : (stop - offset) * size
+                ]
+        self.ranges.add(offset, end)
+        return PlaceResult.NEW
+
+    def payload(self, offset: int, count: int) -> bytes:
+        """The bytes of ``count`` elements from ``offset`` (a copy)."""
+        size = self._itemsize
+        return bytes(self._bytes[offset * size : (offset + count) * size])
 
     def _uncovered(self, start: int, end: int) -> Iterator[tuple[int, int]]:
         for gap_start, gap_end in self.ranges.gaps(self.numel):

@@ -423,3 +423,46 @@ def test_cli_status_prints_the_status_json(node: ShadowNode, capsys: pytest.Capt
     assert cli.main(["status", f"{host}:{port}"]) == 0
     document = json.loads(capsys.readouterr().out)
     assert document["shadow"] == "s0" and document["state"] == "waiting_for_job"
+
+
+def test_copies_placed_before_their_commit_follow_a_layout_change_and_apply_exactly(node: ShadowNode) -> None:
+    """One pass: copies are placed at once; rank 0 changing the layout first puts them back in the stash."""
+    rank0 = join(node)
+    # rank 0 rebuilt its buckets for iteration 0: bucket 0 now holds b first, then w
+    rebuilt = [
+        BucketSpec(0, "float32", 12, 0, (ParamSlice("b", 0, 4), ParamSlice("w", 4, 8))),
+        BucketSpec(1, "float32", 6, 1, (ParamSlice("other", 0, 6),)),
+    ]
+    values = torch.cat([GRAD[8:], GRAD[:8]])  # the same gradients in the new order
+    sender = worker_socket()
+    sender.sendto(datagram(0, 0, values[:5]), node.data_address)
+    sender.sendto(datagram(0, 5, values[5:]), node.data_address)
+    # both fit the layout in force, so both are placed ahead of the commit, in one pass
+    assert wait_for(lambda: node.status()["stash"]["placed_ahead"] == 2), node.status()
+    assert node.status()["stash"]["datagrams"] == 0
+    rank0.send(job_start([("127.0.0.60", 9), ("127.0.0.61", 9)], start=0))
+    rank0.send(BucketLayout(JOB, 0, rebuilt))
+    assert wait_for(lambda: node.status()["state"] == "running" and node.status()["stash"]["datagrams"] == 2)
+    rank0.send(Commit(JOB, 0, [0.1]))
+    assert node.wait_applied(0, 5), node.status()
+    want = reference(1)
+    assert all(torch.equal(node.parameters()[n], want[n]) for n in want)
+    assert node.status()["stash"] == {"datagrams": 0, "bytes": 0, "placed_ahead": 0}
+    rank0.close()
+
+
+def test_copies_placed_before_their_commit_are_applied_once_it_comes(node: ShadowNode) -> None:
+    rank0 = join(node)
+    sender = worker_socket()
+    for iteration in range(3):
+        sender.sendto(datagram(iteration, 0, GRAD[:8]), node.data_address)
+        sender.sendto(datagram(iteration, 8, GRAD[8:]), node.data_address)
+    assert wait_for(lambda: node.status()["stash"]["placed_ahead"] == 6), node.status()
+    for iteration in range(3):
+        rank0.send(Commit(JOB, iteration, [0.1]))
+    assert node.wait_applied(2, 5), node.status()
+    want = reference(3)
+    assert all(torch.equal(node.parameters()[n], want[n]) for n in want)
+    status = node.status()
+    assert status["stash"]["placed_ahead"] == 0 and status["packets_placed"] == 6
+    rank0.close()
