@@ -52,7 +52,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]
 
 from checkmate.auth import AuthConfigError, secret_from_env
 from checkmate.wire import MAX_PAYLOAD_BYTES, DType, pack_data_header
@@ -523,7 +522,7 @@ class CheckmateProcessGroup(dist.ProcessGroup):
             tensor.copy_(done.value().view(tensor.shape))
             return [tensor]
 
-        return _create_work_from_future(ring_future.then(copy_back))
+        return _FutureWork(ring_future.then(copy_back))
 
     def _reduce_scatter(
         self, name: str, output: torch.Tensor, chunks: list[torch.Tensor], op: ReduceOp, result: Any
@@ -608,7 +607,7 @@ class CheckmateProcessGroup(dist.ProcessGroup):
         for sender, offset, announced, data in early:
             self._accept(seq, sender, offset, announced, memoryview(data))
         self._complete_if_done(seq)
-        return _create_work_from_future(record.future)
+        return _FutureWork(record.future)
 
     def _send_message(self, seq: int, dst: int, payload: torch.Tensor) -> None:
         assert self.transport is not None
@@ -734,10 +733,45 @@ class CheckmateProcessGroup(dist.ProcessGroup):
             self._watch_event.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0) + 0.01)
 
 
+class _FutureWork(dist._Work):
+    """A collective's Work over its future: ``wait`` raises the collective's error.
+
+    (torch's ``_create_work_from_future`` wraps a future whose error its ``wait`` does not raise, so
+    a failed collective would pass silently.) ``wait``'s timeout is the group's: every pending
+    collective fails at its deadline.
+    """
+
+    def __init__(self, future: torch.futures.Future[Any]) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._future.wait()  # raises what the collective failed with
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return bool(self._future.done())
+
+    def is_success(self) -> bool:
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:  # noqa: BLE001 - any stored error means the collective failed
+            return False
+        return True
+
+    def result(self) -> Any:
+        return self._future.wait()
+
+
 def _done(value: Any) -> dist.Work:
     future: torch.futures.Future[Any] = torch.futures.Future()
     future.set_result(value)
-    return _create_work_from_future(future)
+    return _FutureWork(future)
 
 
 def _all_of(works: list[dist.Work], value: Any) -> dist.Work:
@@ -749,7 +783,7 @@ def _all_of(works: list[dist.Work], value: Any) -> dist.Work:
             future.value()  # raises the collective's error
         return value
 
-    return _create_work_from_future(torch.futures.collect_all(futures).then(check))
+    return _FutureWork(torch.futures.collect_all(futures).then(check))
 
 
 def _unsupported(collective: str, instead: str) -> dist.Work:

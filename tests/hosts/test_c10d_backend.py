@@ -261,6 +261,30 @@ def _tagging(rank: int, world: int) -> dict[str, int]:
     return counts
 
 
+def _silent_peers(rank: int, world: int) -> str:
+    """Rank 0 gathers on a group (timeout 1 s) where no other rank joins: its error, else ""."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from hosts.c10d_backend import CheckmateBackendOptions
+
+    group = dist.new_group(
+        backend="checkmate",
+        timeout=datetime.timedelta(seconds=1),
+        pg_options=CheckmateBackendOptions(bind=_bind(rank, 215)),
+    )
+    message = ""
+    if rank == 0:
+        try:
+            dist.all_gather_single(torch.empty(4 * world), torch.ones(4), group=group)
+        except Exception as exc:  # noqa: BLE001 - torch wraps the Work's error in its own type
+            message = str(exc)
+    dist.barrier()
+    dist.destroy_process_group(group)
+    return message
+
+
 def _rank_main(rank: int, world: int, port: int, backend: str, datapath: str, seed: int) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -286,6 +310,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, datapath: str, se
     ]
     out["hook_tagged_iterations"] = hooked["tagged_iterations"]
     out["tagging"] = _tagging(rank, world)
+    out["silent"] = _silent_peers(rank, world)
     out["drops"] = default.transport.drops()
     out["idle"] = default.transport.wait_idle(5.0)
     dist.destroy_process_group()
@@ -320,6 +345,9 @@ def test_backend_matches_gloo(world: int, backend: str, datapath: str) -> None:
         # every rank ends DDP with the same parameters
         for a, b in zip(out["ddp_params"], results[0]["ddp_params"], strict=True):
             assert torch.equal(a, b)
+        if rank == 0:  # a collective the others never join fails in time, naming them
+            silent = list(range(1, world))
+            assert f"still waiting for ranks {silent}" in out["silent"], out["silent"]
         tags = out["tagging"]
         assert tags["default.data"] > 0 and tags["default.replicate"] == 0, tags
         # tagged: exactly the owner's first transmission of its reduced chunk (3000 fp32 / world: 1 datagram)
