@@ -314,6 +314,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, datapath: str, se
     out["drops"] = default.transport.drops()
     out["idle"] = default.transport.wait_idle(5.0)
     dist.destroy_process_group()
+    out["closed_at_destroy"] = default._closed
     return out
 
 
@@ -327,6 +328,7 @@ def test_backend_matches_gloo(world: int, backend: str, datapath: str) -> None:
     for rank, out in enumerate(results):
         assert out["backend"] == backend and out["name"] == "checkmate", out
         assert out["address"][0] == _bind(rank) and out["datapath"] == datapath
+        assert out["closed_at_destroy"]  # destroy_process_group closed the transport
         # no datagram refused (a retransmission's duplicate, under load, is the transport working)
         assert set(out["drops"]) <= {"duplicate"} and out["idle"], (out["drops"], out["idle"])
         assert out["failures"] == [], f"seed {seed}, rank {rank}:\n" + "\n".join(out["failures"])
