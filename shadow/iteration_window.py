@@ -147,6 +147,10 @@ class IterationWindow:
         self.stats.placed_elements += header.element_count
         return None
 
+    def assembly(self, iteration: int, bucket_id: int) -> BucketAssembly:
+        """The owned bucket ``bucket_id`` of ``iteration`` (a window iteration), made on first use."""
+        return self._iteration(iteration).buckets[bucket_id]
+
     def bucket_complete(self, iteration: int, bucket_id: int) -> bool:
         """Whether ``bucket_id`` of ``iteration`` holds every element (False if not started)."""
         pending = self.pending.get(iteration)

@@ -25,11 +25,16 @@ from checkmate.wire import (
     MessageType,
     WireFormatError,
     decode,
+    decode_data,
 )
 from shadow.iteration_window import DropReason
 from shadow.node_state import Addr, Epoch, Job, NodeState, Unconfirmed
+from shadow.reassembly import PlaceResult
 
 logger = logging.getLogger(__name__)
+
+_DATA = int(MessageType.DATA)
+_TORCH_DTYPES = {int(d): torch_dtype(d) for d in DType if d is not DType.NONE}
 
 
 def _from_worker(job: Job, addr: Addr) -> bool:
@@ -61,6 +66,10 @@ class Receiver(NodeState):
         with self._lock:
             self.stats.packets_received += 1
             self.stats.bytes_received += len(data)
+            if len(data) > 1 and data[1] == _DATA:
+                handled, why = self._place_copy(data, addr, now)
+                if handled:
+                    return why
             opened = self._datagram_keys.open(data)  # NACK, REPAIR_DATA: MAC checked (checkmate.auth)
             if opened is None:
                 return self._drop("unauthenticated")
@@ -81,7 +90,7 @@ class Receiver(NodeState):
             if job is None:
                 if self.config.job_id is not None and header.job_id != self.config.job_id:
                     return self._drop(DropReason.OTHER_JOB.value)
-                return self._stash_datagram(header, data, now, addr)
+                return self._stash_datagram(header.iteration, data, now, addr)
             if header.job_id != job.job_id:
                 return self._drop(DropReason.OTHER_JOB.value)
             if not _from_worker(job, addr):
@@ -98,13 +107,65 @@ class Receiver(NodeState):
                         return self._drop(refused.value)
                     if header.iteration >= epoch.window.next_iteration + 2 * self.config.horizon:
                         return self._drop(DropReason.TOO_FAR_AHEAD.value)
-                return self._stash_datagram(header, data, now, addr)
+                return self._stash_datagram(header.iteration, data, now, addr)
             reason = self._place(epoch, header, payload)
             if ahead and reason is None:
                 # Placed before its commit confirmed the layout (one pass, the common case):
                 # remembered, so that a layout change can put it back into the stash.
-                epoch.unconfirmed.setdefault(header.iteration, []).append(Unconfirmed(header, now, addr))
+                copy = Unconfirmed(
+                    bytes(data[:HEADER_BYTES]),
+                    header.bucket_id,
+                    header.element_offset,
+                    header.element_count,
+                    now,
+                    addr,
+                )
+                epoch.unconfirmed.setdefault(header.iteration, []).append(copy)
             return reason
+
+    def _place_copy(self, data: memoryview, addr: Addr, now: float) -> tuple[bool, str | None]:
+        """A DATA copy that fits the epoch in force, placed straight from the datagram (lock held).
+
+        The common case, without building a header object: the same checks as the general
+        path below, which takes anything else (``(False, None)``: not placed, nothing counted);
+        ``(True, why it was dropped or None)`` for a copy it handled.
+        """
+        try:
+            fields, payload = decode_data(data)
+        except WireFormatError:
+            return False, None
+        job, epoch = self._job, self._epoch
+        if job is None or epoch is None or fields[4] != job.job_id or not _from_worker(job, addr):
+            return False, None
+        iteration, bucket_id, offset, count = fields[5], fields[6], fields[10], fields[11]
+        window = epoch.window
+        layout = window.layouts.get(bucket_id)
+        spec = epoch.layout.get(bucket_id)
+        if (
+            not window.next_iteration <= iteration < window.next_iteration + window.horizon
+            or layout is None
+            or spec is None
+            or bucket_id not in window.owned
+            or fields[8] != spec.shard_key
+            or _TORCH_DTYPES.get(fields[3]) != layout.dtype
+            or offset + count > layout.numel
+        ):
+            return False, None
+        self._latest_seen = max(self._latest_seen, iteration)
+        assembly = window.assembly(iteration, bucket_id)
+        if assembly.place_bytes(offset, count, payload) is PlaceResult.DUPLICATE:
+            window.stats.drops[DropReason.DUPLICATE.value] += 1
+            return True, self._drop(DropReason.DUPLICATE.value)
+        window.stats.placed_packets += 1
+        window.stats.placed_elements += count
+        self.stats.packets_placed += 1
+        self.stats.elements_placed += count
+        if iteration > epoch.confirmed_through:  # ahead of its commit: see _restash_unconfirmed
+            copy = Unconfirmed(bytes(data[:HEADER_BYTES]), bucket_id, offset, count, now, addr)
+            epoch.unconfirmed.setdefault(iteration, []).append(copy)
+        if assembly.complete:
+            self._lock.notify_all()  # the apply thread waits for whole buckets, not for each copy
+        return True, None
 
     @staticmethod
     def _fits(epoch: Epoch, header: CheckmateHeader) -> bool:
@@ -145,17 +206,14 @@ class Receiver(NodeState):
             return
         for iteration in sorted(epoch.unconfirmed):
             pending = epoch.window.pending.get(iteration)
-            for header, arrival, source in epoch.unconfirmed[iteration]:
+            for copy in epoch.unconfirmed[iteration]:
                 if pending is None:  # applied meanwhile: nothing to undo
                     continue
-                payload = pending.buckets[header.bucket_id].payload(
-                    header.element_offset, header.element_count
-                )
                 self.stats.packets_placed -= 1
-                self.stats.elements_placed -= header.element_count
-                data = bytearray(header.pack())
-                data += payload
-                self._stash_datagram(header, memoryview(data), arrival, source)
+                self.stats.elements_placed -= copy.element_count
+                data = bytearray(copy.head)
+                data += pending.buckets[copy.bucket_id].payload(copy.element_offset, copy.element_count)
+                self._stash_datagram(iteration, memoryview(data), copy.arrival, copy.source)
         epoch.unconfirmed.clear()
 
     def _forget_unconfirmed(self, epoch: Epoch) -> None:
@@ -163,12 +221,10 @@ class Receiver(NodeState):
         for iteration in [i for i in epoch.unconfirmed if i <= epoch.confirmed_through]:
             del epoch.unconfirmed[iteration]
 
-    def _stash_datagram(
-        self, header: CheckmateHeader, data: memoryview, now: float, addr: Addr
-    ) -> str | None:
+    def _stash_datagram(self, iteration: int, data: memoryview, now: float, addr: Addr) -> str | None:
         if self._stash_bytes + len(data) > self.config.stash_bytes:
             return self._drop("stash_full")
-        self._stash.setdefault(header.iteration, []).append((bytearray(data), now, addr))
+        self._stash.setdefault(iteration, []).append((bytearray(data), now, addr))
         self._stash_bytes += len(data)
         return None
 

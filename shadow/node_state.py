@@ -20,7 +20,7 @@ from checkmate.control_frame import ControlAuth
 from checkmate.job import JobSpec
 from checkmate.job_state import JobState
 from checkmate.network import Addr
-from checkmate.wire import CHECKMATE_UDP_PORT, CheckmateHeader
+from checkmate.wire import CHECKMATE_UDP_PORT
 from shadow.adam_apply import default_threads
 from shadow.gradient_check import GradientCheck
 from shadow.iteration_window import IterationWindow
@@ -96,7 +96,11 @@ class Epoch:
 class Unconfirmed(NamedTuple):
     """A copy placed ahead of its commit: enough to rebuild the datagram from the bucket."""
 
-    header: CheckmateHeader
+    head: bytes
+    """Its header as it arrived (the wire's 32 bytes)."""
+    bucket_id: int
+    element_offset: int
+    element_count: int
     arrival: float
     source: Addr
 
