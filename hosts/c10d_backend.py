@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from checkmate.auth import AuthConfigError, secret_from_env
 from checkmate.wire import MAX_PAYLOAD_BYTES, DType, pack_data_header
+from hosts.faults import FaultConfig
 from hosts.ring_allreduce import MAX_ITERATION, CollectiveError, ReduceOp, RingAllReduce, RingConfig
 from hosts.transport import Addr, PeerTimeoutError, Transport, TransportConfig, datapath_from_env, resolve
 
@@ -106,6 +107,8 @@ class CheckmateBackendOptions:
     """``"native"`` or ``"python"`` (None: ``CHECKMATE_TRANSPORT``, default native)."""
     peer_timeout: float = 30.0
     """Seconds without acknowledgements before a peer is declared dead (its collectives fail)."""
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    """Injected datagram loss, duplication, reordering (tests; :class:`hosts.faults.FaultConfig`)."""
 
 
 @dataclass
@@ -204,7 +207,12 @@ class CheckmateProcessGroup(dist.ProcessGroup):
             return
         datapath = options.datapath or datapath_from_env()
         self.transport = Transport(
-            TransportConfig(bind=_bind_address(options), peer_timeout=options.peer_timeout, datapath=datapath)
+            TransportConfig(
+                bind=_bind_address(options),
+                peer_timeout=options.peer_timeout,
+                datapath=datapath,
+                faults=options.faults,
+            )
         )
         try:
             self.peers = self._rendezvous(store)
