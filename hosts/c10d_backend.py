@@ -237,6 +237,9 @@ class CheckmateProcessGroup(dist.ProcessGroup):
                     host_replica=None if options.tag else (lambda key: None),
                 ),
             )
+            # no rank sends before every rank accepts its jobs (else its first datagrams wait for an RTO)
+            store.set(f"checkmate/ready/{rank}", "1")
+            store.wait([f"checkmate/ready/{r}" for r in range(world_size)])
         except BaseException:
             self.transport.close()
             raise
