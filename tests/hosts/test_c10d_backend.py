@@ -42,17 +42,21 @@ def _ours(group: Any) -> Any:
 
 
 def _init(rank: int, world: int, port: int, backend: str = "checkmate", **options: Any) -> Any:
+    """The default group on the backend, then a gloo group over the same ranks (returned).
+
+    Without ``options`` this is the one-argument form a script uses: everything from the
+    environment (``CHECKMATE_BACKEND_BIND`` here, torchrun's variables, the job secret)."""
     import torch.distributed as dist
 
     import hosts.c10d_backend as backend_module
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(
-        backend,
-        rank=rank,
-        world_size=world,
-        pg_options=backend_module.CheckmateBackendOptions(bind=_bind(rank), **options),
-    )
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    if options:
+        pg_options = backend_module.CheckmateBackendOptions(bind=_bind(rank), **options)
+        dist.init_process_group(backend, pg_options=pg_options)
+    else:
+        os.environ[backend_module.BIND_ENV] = _bind(rank)
+        dist.init_process_group(backend)
     return dist.new_group(backend="gloo")
 
 
@@ -292,8 +296,12 @@ def _rank_main(
 
     from hosts.faults import FaultConfig
 
-    faults = FaultConfig(seed=seed + rank, send_drop=loss, reorder=loss)
-    gloo = _init(rank, world, port, backend, datapath=datapath, faults=faults)
+    if datapath == "native" and not loss:  # the plain one-argument call, configured by the environment
+        os.environ["CHECKMATE_TRANSPORT"] = datapath
+        gloo = _init(rank, world, port, backend)
+    else:
+        faults = FaultConfig(seed=seed + rank, send_drop=loss, reorder=loss)
+        gloo = _init(rank, world, port, backend, datapath=datapath, faults=faults)
     default = _ours(None)  # asserts the default group is the backend's
     out: dict[str, Any] = {
         "backend": dist.get_backend(),
