@@ -23,7 +23,7 @@ from tests.listen_ports import listen_port
 
 SEEDS = 3
 """Random cases per collective and dtype in each run."""
-DTYPES = (torch.float32, torch.bfloat16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _bind(rank: int, base: int = 200) -> str:
@@ -145,12 +145,11 @@ def _suite(rank: int, world: int, seed: int, gloo: Any) -> list[str]:
             ours_list_out = torch.empty(n, dtype=dtype)
             dist.reduce_scatter(ours_list_out, list(big[rank].chunk(world)))
             same(f"reduce_scatter (list) vs reduce_scatter_tensor, {tag}", ours_list_out, ours)
-            if dtype is torch.float32:  # gloo's reduce_scatter takes fp32 here; bf16 is checked above
-                theirs = torch.empty(n, dtype=dtype)
-                dist.reduce_scatter_single(theirs, big[rank], group=gloo)
-                if world == 2:
-                    same(f"reduce_scatter_tensor vs gloo, {tag}", ours, theirs)
-                close(f"reduce_scatter_tensor vs gloo, {tag}", ours, theirs, part_magnitude)
+            theirs = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter_single(theirs, big[rank], group=gloo)
+            if world == 2:
+                same(f"reduce_scatter_tensor vs gloo, {tag}", ours, theirs)
+            close(f"reduce_scatter_tensor vs gloo, {tag}", ours, theirs, part_magnitude)
             # functional collectives (DTensor's): all_reduce and reduce_scatter_tensor (its coalesced form)
             functional = torch.ops._c10d_functional
             group_name = _ours(None).group_name
