@@ -84,6 +84,7 @@ class ShadowNode(Receiver, ControlServer, Applier, StateService, Maintenance):
         self._lock = threading.Condition(threading.RLock())
         self._state_lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._job = None
         self._epoch = None
         self._generation = 0
@@ -143,6 +144,7 @@ class ShadowNode(Receiver, ControlServer, Applier, StateService, Maintenance):
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        self._wake.set()
         with self._lock:
             self._lock.notify_all()
             conn, self._control_conn = self._control_conn, None

@@ -487,3 +487,4 @@ class ControlServer(NodeState):
                 self._forget_unconfirmed(epoch)
                 self._drain_stash()
             self._lock.notify_all()
+        self._wake.set()  # the maintenance thread: repairs of this iteration may be due after the grace

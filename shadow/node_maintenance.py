@@ -26,6 +26,10 @@ from shadow.snapshots import disk_status
 logger = logging.getLogger(__name__)
 
 REPAIR_DEFER_LIMIT_S = 1.0
+MAINTENANCE_BUSY_S = 0.005
+"""The maintenance thread's period while a committed iteration lacks copies."""
+MAINTENANCE_IDLE_S = 0.05
+"""Its period otherwise (a commit wakes it at once)."""
 """Longest a shadow defers planning repairs while copies still wait unread in its socket."""
 
 
@@ -39,6 +43,9 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 class Maintenance(NodeState):
     """Repairs and status of a shadow node (``_lock`` to plan and to read status)."""
+
+    _repair_wanted: bool = False
+    """A committed iteration in the window lacks copies (the loop then runs every 5 ms)."""
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -118,7 +125,14 @@ class Maintenance(NodeState):
     def _maintenance_loop(self) -> None:
         next_status = time.monotonic()
         deferred_since: float | None = None
-        while not self._stop.wait(0.005):
+        self._repair_wanted = False
+        while not self._stop.is_set():
+            # Every 5 ms while a committed iteration lacks copies (repairs are due or in flight),
+            # else every 50 ms or when a commit arrives: an idle shadow does not spin.
+            self._wake.wait(MAINTENANCE_BUSY_S if self._repair_wanted else MAINTENANCE_IDLE_S)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             now = time.monotonic()
             sends: list[tuple[Addr, CheckmateHeader, bytes]] = []
             resync: str | None = None
@@ -149,16 +163,23 @@ class Maintenance(NodeState):
                 self._write_status()
 
     def _plan_repairs(self, now: float, sends: list[tuple[Addr, CheckmateHeader, bytes]]) -> str | None:
+        self._repair_wanted = False
         epoch, job, repairs = self._epoch, self._job, self._repairs
         if epoch is None or job is None or repairs is None or not job.workers or self._diverged is not None:
             return None  # diverged: nothing is applied until rank 0 re-seeds, so nothing to repair
         window = epoch.window
         nxt = window.next_iteration
+        wanted = False
         for iteration in range(nxt, min(epoch.confirmed_through, nxt + window.horizon - 1) + 1):
             entry = self._commits.get(iteration)
-            if entry is None or now - entry.arrival < self.config.repair.grace:
+            if entry is None:
                 continue
             pending = window.pending.get(iteration)
+            if pending is not None and pending.complete:
+                continue
+            wanted = True
+            if now - entry.arrival < self.config.repair.grace:
+                continue
             if pending is None:
                 window.commit(entry.record)
                 pending = window.pending[iteration]
@@ -177,6 +198,7 @@ class Maintenance(NodeState):
                     shard_key=epoch.layout[bucket_id].shard_key,
                 )
                 sends.append((job.workers[worker], header, payload))
+        self._repair_wanted = wanted
         failure = repairs.failure(nxt)
         if failure is not None:
             blocked = f"not certified: {failure}"

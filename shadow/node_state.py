@@ -195,6 +195,8 @@ class NodeState:
     _control_send: threading.Lock
     """Held while writing one message on a control connection."""
     _stop: threading.Event
+    _wake: threading.Event
+    """Wakes the maintenance thread (a commit arrived, or the node closes)."""
     _job: Job | None
     _epoch: Epoch | None
     _generation: int
