@@ -288,6 +288,34 @@ def _silent_peers(rank: int, world: int) -> str:
     return message
 
 
+def _dead_peer(rank: int, world: int) -> str:
+    """On a group with a 1 s peer timeout, every rank but 0 shuts its transport; rank 0's
+    all_gather then fails naming a peer that stopped answering (its error, else "")."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from hosts.c10d_backend import CheckmateBackendOptions
+
+    group = dist.new_group(
+        backend="checkmate",
+        timeout=datetime.timedelta(seconds=60),
+        pg_options=CheckmateBackendOptions(bind=_bind(rank, 210), peer_timeout=1.0),
+    )
+    message = ""
+    if rank != 0:
+        _ours(group).close(drain_timeout=0.0)
+    dist.barrier()
+    if rank == 0:
+        try:
+            dist.all_gather_single(torch.empty(4 * world), torch.ones(4), group=group)
+        except Exception as exc:  # noqa: BLE001 - torch wraps the Work's error in its own type
+            message = str(exc)
+    dist.barrier()
+    dist.destroy_process_group(group)
+    return message
+
+
 def _rank_main(
     rank: int, world: int, port: int, backend: str, datapath: str, loss: float, seed: int
 ) -> dict[str, Any]:
@@ -323,6 +351,7 @@ def _rank_main(
     out["hook_tagged_iterations"] = hooked["tagged_iterations"]
     out["tagging"] = _tagging(rank, world)
     out["silent"] = _silent_peers(rank, world)
+    out["dead"] = _dead_peer(rank, world)
     out["drops"] = default.transport.drops()
     out["faults"] = {k: v for k, v in default.transport.stats().items() if k.startswith("fault.")}
     # every rank still listens until all are idle (a lost last ACK is resent only to a live peer)
@@ -369,6 +398,8 @@ def test_backend_matches_gloo(world: int, backend: str, datapath: str, loss: flo
         if rank == 0:  # a collective the others never join fails in time, naming them
             silent = list(range(1, world))
             assert f"still waiting for ranks {silent}" in out["silent"], out["silent"]
+        if rank == 0:  # a peer that stops answering fails the collective, naming it
+            assert "is not responding" in out["dead"] and "rank " in out["dead"], out["dead"]
         tags = out["tagging"]
         assert tags["default.data"] > 0 and tags["default.replicate"] == 0, tags
         # tagged: exactly the owner's first transmission of its reduced chunk (3000 fp32 / world: 1 datagram)
