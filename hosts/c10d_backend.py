@@ -6,7 +6,7 @@ name ``"checkmate"`` for CPU tensors, so any script selects it with one argument
     import hosts.c10d_backend  # noqa: F401  (registers "checkmate")
     import torch.distributed as dist
 
-    dist.init_process_group(backend="checkmate")  # or "cpu:checkmate", or "cpu:checkmate,cuda:nccl"
+    dist.init_process_group(backend="checkmate")  # or "cpu:checkmate"
 
 Rendezvous is torch's: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` (or any
 ``init_method``/``store``); each rank binds its own :class:`~hosts.transport.Transport` and publishes
