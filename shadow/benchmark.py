@@ -46,12 +46,14 @@ logger = logging.getLogger(__name__)
 
 
 def measure(
-    kind: str, numel: int, iterations: int, tensors: int = 16, apply_threads: int = 1
+    kind: str, numel: int, iterations: int, tensors: int = 16, apply_threads: int = 1, fused: bool = False
 ) -> dict[str, Any]:
     names = [f"p{i}" for i in range(tensors)]
     per = numel // tensors
     initial = {n: torch.randn(per) for n in names}
     hyper: dict[str, object] = {"lr": 1e-3} if kind != "SGD" else {"lr": 0.1, "momentum": 0.9}
+    if fused and kind != "SGD":  # workers that chose torch's fused CPU kernel: the shadow replays it
+        hyper["fused"] = True
     spec = OptimizerSpec(kind, [{**hyper, "params": names}])
     optimizer = ShadowOptimizer(initial, spec, set(names), apply_threads)
     gradients = {n: torch.randn(per) for n in names}
@@ -70,6 +72,7 @@ def measure(
         "cpu_seconds_per_iteration": cpu_seconds,
         "parameters_per_cpu_second": per * tensors / cpu_seconds,
         "apply_threads": apply_threads,
+        "fused": fused and kind != "SGD",
     }
 
 
@@ -262,6 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kinds", default="SGD,Adam,AdamW")
     parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
     parser.add_argument("--apply-threads", type=int, default=1, help="the shadow's apply threads")
+    parser.add_argument("--fused", action="store_true", help="the workers' Adam/AdamW have fused=True")
     parser.add_argument("--json", default=None)
     parser.add_argument("--fingerprint", action="store_true", help="measure the divergence check instead")
     parser.add_argument("--disk", action="store_true", help="measure the disk tier instead")
@@ -331,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _write_json(args.json, figures)
         return 0
     results = [
-        measure(kind, args.params, args.iterations, apply_threads=args.apply_threads)
+        measure(kind, args.params, args.iterations, apply_threads=args.apply_threads, fused=args.fused)
         for kind in args.kinds.split(",")
     ]
     for r in results:
