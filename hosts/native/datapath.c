@@ -1498,6 +1498,10 @@ static void *rx_main(void *arg) {
             PyGILState_STATE g = PyGILState_Ensure();
             dispatch_events(e, ev);
             PyGILState_Release(g);
+            /* A handler may have called into the engine from this thread (a send, an emit held
+             * by a fault), setting an earlier deadline without a wake-up (set_deadline writes the
+             * eventfd only for other threads): read the deadline again before sleeping. */
+            continue;
         }
         struct pollfd fds[2] = {{.fd = e->fd, .events = POLLIN}, {.fd = e->efd, .events = POLLIN}};
         struct timespec ts, *tsp = NULL;
