@@ -221,18 +221,19 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
     )
 
 
+def _size_flags(args: argparse.Namespace) -> list[tuple[str, object]]:
+    """The job-size flags of ``plan`` with their values (None: not given)."""
+    return [
+        ("--model-params", args.model_params),
+        ("--optimizer", args.optimizer),
+        ("--iteration-time", args.iteration_time),
+        ("--dp", args.dp),
+    ]
+
+
 def run_compare(args: argparse.Namespace, prog: str = "checkmate-ctl") -> int:
     """``checkmate-ctl plan --compare``: the cluster table; 2 naming the field for a bad configuration."""
-    given = [
-        flag
-        for flag, value in (
-            ("--model-params", args.model_params),
-            ("--optimizer", args.optimizer),
-            ("--iteration-time", args.iteration_time),
-            ("--dp", args.dp),
-        )
-        if value is not None
-    ]
+    given = [flag for flag, value in _size_flags(args) if value is not None]
     if given:
         print(
             f"{prog}: error: plan --compare takes its sizes from the named configurations, not "
@@ -277,16 +278,7 @@ def run_plan(args: argparse.Namespace, prog: str = "checkmate-ctl") -> int:
     if args.compare_set or args.check_bench:
         print(f"{prog}: error: plan: --set and --check-bench go with --compare", file=sys.stderr)
         return 2
-    missing = [
-        flag
-        for flag, value in (
-            ("--model-params", args.model_params),
-            ("--optimizer", args.optimizer),
-            ("--iteration-time", args.iteration_time),
-            ("--dp", args.dp),
-        )
-        if value is None
-    ]
+    missing = [flag for flag, value in _size_flags(args) if value is None]
     if missing:
         print(
             f"{prog}: error: plan: the following arguments are required: {', '.join(missing)} (or --compare)",
