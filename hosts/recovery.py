@@ -44,6 +44,26 @@ not matter; with more ranks call :func:`settle_buckets` at every start (fresh or
 resumed), so every iteration sums in the same order. Random numbers (dropout)
 resume exactly when the job passes :class:`hosts.RandomState` in ``stateful``
 to both ``enable_checkmate`` and :func:`resume` (every rank seeded identically).
+
+**Tensor parallelism (TP x DP).** With ``CHECKMATE_TP_DEGREE`` = T > 1 (or ``tp_degree=T``)
+each TP index t's DP group is a Checkmate *lane* (its own job id, shadows and snapshots,
+holding that TP shard). The same call, on every rank, is then lane-aware::
+
+    point = hosts.resume(ddp, optimizer)      # ddp = DDP(model, process_group=<the lane's DP group>)
+
+Each lane's first rank (DP index 0) asks its own lane's sources, in this order: the lane's
+shadows' memory (job ``CHECKMATE_JOB_ID + t`` / the lane's job file), the lane's snapshot
+directory (``snapshot_dir`` with ``{tp_index}`` in it, e.g. ``snapshots/lane{tp_index}``), and
+the merged universal checkpoint (``merged_dir``, written by
+:func:`checkmate.universal.shadow_merge.merge_lane_snapshots`; the lane loads its TP slice).
+The lanes then agree on one iteration (a TP job cannot continue with its shards at
+different iterations): all ranks exchange what their lane found (``all_gather_object`` on
+the default group); a lane behind the newest waits for its shadows to reach it; when one
+cannot, every lane takes the oldest and a lane ahead reads that step from its snapshots
+(or the merged checkpoint). The lane's state is then broadcast in its DP group
+(``group``; default: the DDP model's ``process_group``) and loaded. A lane that cannot
+provide the agreed iteration raises :class:`ResumeError` on every rank, naming the lane.
+:attr:`ResumePoint.lanes` says where each lane's state came from.
 """
 
 from __future__ import annotations
@@ -102,6 +122,8 @@ class ResumePoint:
     the shadows' answers (the module docstring says how); None: unknown (no shadow could tell)."""
     workers_finished: int | None = None
     """The newest iteration the shadows saw the workers finish (None: unknown, or nothing restored)."""
+    lanes: tuple[LaneRestore, ...] = ()
+    """TP x DP: where each lane's state came from, in TP index order (empty without tensor parallelism)."""
 
     @property
     def restored(self) -> bool:
@@ -110,6 +132,20 @@ class ResumePoint:
     @property
     def restored_iteration(self) -> int | None:
         return self.iteration - 1 if self.restored else None
+
+
+@dataclass(frozen=True)
+class LaneRestore:
+    """What one lane (TP index) of a TP x DP job restored."""
+
+    tp_index: int
+    job_id: int
+    iteration: int
+    """The iteration restored (the same in every lane)."""
+    source: str
+    detail: str
+    workers_finished: int | None = None
+    """The newest iteration this lane's shadows saw its workers finish (None: unknown)."""
 
 
 def optimizer_states_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
@@ -246,6 +282,9 @@ def resume(
     shadows: Mapping[str, Addr] | None = None,
     job_id: int | None = None,
     start_over: bool = False,
+    tp_degree: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    merged_dir: str | Path | None = None,
 ) -> ResumePoint:
     """Restore the job's latest certified state into ``model``, ``optimizer`` and ``stateful``.
 
@@ -258,7 +297,23 @@ def resume(
     ResumeError, on every rank, when a state was found but does not fit the job, or
     when the newest complete checkpoint on disk is damaged and no shadow holds a state
     (``start_over=True``: start from iteration 0 then, with an error logged).
+
+    Tensor parallelism (the module docstring): ``tp_degree`` (default ``CHECKMATE_TP_DEGREE``, 1)
+    > 1 makes the call lane-aware; ``group`` is this rank's lane, the DP group of its TP index
+    (default: ``model.process_group`` of a DDP model); ``shadows``, when given, are this rank's
+    lane's; ``job_id`` is the first lane's (lane t is job ``job_id + t``, as ``CHECKMATE_JOB_ID``);
+    ``snapshot_dir`` names each lane's directory with ``{tp_index}``;
+    ``merged_dir`` is the lanes' merged universal checkpoint, the last source asked.
     """
+    tp = _tp_degree_env() if tp_degree is None else tp_degree
+    if tp < 1:
+        raise ResumeError(f"tp_degree {tp}: a tensor-parallel degree is at least 1")
+    if tp > 1:
+        return _resume_lane(
+            model,
+            optimizer,
+            _LaneRequest(tp, group, stateful, shadows, job_id, snapshot_dir, merged_dir, timeout, start_over),
+        )
     rank = dist.get_rank() if dist.is_initialized() else 0
     box: list[Any] = [None]
     if rank == 0:
@@ -331,6 +386,319 @@ def _job_id_env() -> int:
         return int(text)
     except ValueError:
         raise ResumeError(f"CHECKMATE_JOB_ID={text!r} is not an integer") from None
+
+
+def _tp_degree_env() -> int:
+    """``CHECKMATE_TP_DEGREE`` (default 1)."""
+    text = os.environ.get("CHECKMATE_TP_DEGREE") or "1"
+    try:
+        return int(text)
+    except ValueError:
+        raise ResumeError(f"CHECKMATE_TP_DEGREE={text!r} is not an integer") from None
+
+
+# ---- tensor parallelism: one lane per TP index ----------------------------------------------
+def from_merged(
+    directory: str | Path, tp_degree: int, tp_index: int, step: int | None = None
+) -> RestoredState:
+    """TP index ``tp_index``'s slice of a merged universal checkpoint (newest complete step, or ``step``).
+
+    The checkpoint :func:`checkmate.universal.shadow_merge.merge_lane_snapshots` writes from the
+    lanes' snapshots (layout-free, whole tensors); the slice is what that lane's ranks hold under
+    ``Layout(tp=tp_degree)``, by the checkpoint's own reshape rules. ResumeError if unusable.
+    """
+    from checkmate.universal.layout import Layout
+    from checkmate.universal.load import load_rank
+    from checkmate.universal.spec import LayoutError
+
+    try:
+        reader = fmt.CheckpointReader(Path(directory), step)
+        held = load_rank(reader, Layout(tp=tp_degree), tp_index)
+    except (CheckpointError, LayoutError, OSError, KeyError) as exc:
+        raise ResumeError(f"no usable merged checkpoint in {directory}: {exc}") from None
+    if held.param_flat is not None:
+        raise ResumeError(f"{directory} step {reader.step}: a flat-partitioned layout cannot be a TP lane")
+    optimizer = reader.global_state.get("optimizer")
+    optimizer = dict(optimizer) if isinstance(optimizer, dict) else {}
+    extra = reader.global_state.get("extra")
+    extra = extra if isinstance(extra, dict) else {}
+    return RestoredState(
+        iteration=reader.step,
+        source=SOURCE_MERGED,
+        parameters=dict(held.params),
+        optimizer_state={
+            name: {**held.states.get(name, {}), **held.scalars.get(name, {})} for name in held.params
+        },
+        optimizer_step=int(extra.get("optimizer_step", 0) or 0),
+        data_position=extra.get("data_position"),
+        detail=f"{reader.directory} (TP index {tp_index} of {tp_degree})",
+        job_state=reader.job_state(),
+        optimizer_kind=optimizer.get("kind"),
+        optimizer=optimizer,
+    )
+
+
+SOURCE_MERGED = "merged-snapshot"
+"""A :class:`RestoredState` read from the lanes' merged universal checkpoint (:func:`from_merged`)."""
+
+
+@dataclass
+class _LaneRequest:
+    """What :func:`resume` was given, for :func:`_resume_lane`."""
+
+    tp: int
+    group: dist.ProcessGroup | None
+    stateful: Mapping[str, Any] | None
+    shadows: Mapping[str, Addr] | None
+    job_id: int | None
+    snapshot_dir: str | Path | None
+    merged_dir: str | Path | None
+    timeout: float
+    start_over: bool
+
+
+@dataclass
+class _LaneSources:
+    """A lane leader's sources: its shadows, its snapshot directory, the merged checkpoint."""
+
+    tp: int
+    tp_index: int
+    job_id: int
+    shadows: dict[str, Addr]
+    lane_dir: Path | None
+    merged_dir: Path | None
+
+    def latest(self, timeout: float, start_over: bool) -> RestoredState | None:
+        """The lane's newest state: memory, then its snapshots, then the merged checkpoint."""
+        state = restore_latest(self.shadows, self.lane_dir, timeout, self.job_id, start_over)
+        if state is None and self.merged_dir is not None and fmt.complete_steps(self.merged_dir):
+            state = from_merged(self.merged_dir, self.tp, self.tp_index)
+            logger.warning(
+                "lane %d: restored step %d from the merged checkpoint", self.tp_index, state.iteration
+            )
+        return state
+
+    def at_from_memory(self, iteration: int, timeout: float) -> RestoredState | None:
+        """The state after ``iteration`` from the lane's shadows (waiting up to ``timeout``), or None."""
+        if not self.shadows:
+            return None
+        try:
+            return ShadowMemory(self.shadows, self.job_id).at(iteration, timeout)
+        except SourceError as exc:
+            logger.info("lane %d: the shadows cannot serve iteration %d: %s", self.tp_index, iteration, exc)
+            return None
+
+    def at_from_disk(self, iteration: int) -> RestoredState | None:
+        """The state after ``iteration`` from the lane's snapshots, else the merged checkpoint, or None."""
+        if self.lane_dir is not None and iteration in fmt.complete_steps(self.lane_dir):
+            try:
+                return SnapshotDirectory(self.lane_dir, iteration).latest()
+            except SourceError as exc:
+                logger.warning("lane %d: %s", self.tp_index, exc)
+        if self.merged_dir is not None and iteration in fmt.complete_steps(self.merged_dir):
+            try:
+                return from_merged(self.merged_dir, self.tp, self.tp_index, iteration)
+            except ResumeError as exc:
+                logger.warning("lane %d: %s", self.tp_index, exc)
+        return None
+
+
+def _lane_note(
+    t: int, job_id: int, state: RestoredState | None, finished: int | None = None
+) -> dict[str, Any]:
+    """What a lane leader tells every rank about its lane (``all_gather_object``; plain data only)."""
+    return {
+        "tp_index": t,
+        "job_id": job_id,
+        "iteration": None if state is None else state.iteration,
+        "source": SOURCE_NONE if state is None else state.source,
+        "detail": "" if state is None else state.detail,
+        "finished": finished,
+        "error": None,
+    }
+
+
+def _gather_lanes(note: dict[str, Any] | None, tp: int) -> dict[int, dict[str, Any]]:
+    """Every lane leader's note, by TP index, on every rank (collective on the default group)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, note)
+    lanes = {int(n["tp_index"]): n for n in gathered if isinstance(n, dict)}
+    missing = sorted(set(range(tp)) - set(lanes))
+    if missing:
+        raise ResumeError(f"no answer from lane(s) {missing}: every lane's DP index 0 must call hosts.resume")
+    return lanes
+
+
+def _lane_group(model: nn.Module, request: _LaneRequest) -> tuple[dist.ProcessGroup, int, int]:
+    """(this rank's lane group, its TP index, the global rank of the lane's leader); ResumeError if wrong."""
+    if not dist.is_initialized():
+        raise ResumeError(f"tp_degree {request.tp}: resuming a TP x DP job needs the default process group")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % request.tp:
+        raise ResumeError(f"tp_degree {request.tp} does not divide the world size {world}")
+    t = rank % request.tp
+    group = request.group if request.group is not None else getattr(model, "process_group", None)
+    if group is None:
+        raise ResumeError(
+            f"tp_degree {request.tp}: pass group=<this rank's DP group> or a DDP model built with "
+            "process_group=<the DP group> (the lane this rank restores)"
+        )
+    members = dist.get_process_group_ranks(group)
+    expected = list(range(t, world, request.tp))
+    if sorted(members) != expected:
+        raise ResumeError(
+            f"rank {rank} (TP index {t}): its group holds ranks {sorted(members)}, but its lane is the DP "
+            f"group of TP index {t}: ranks {expected} (rank = dp_index * {request.tp} + tp_index)"
+        )
+    return group, t, dist.get_global_rank(group, 0)
+
+
+def _lane_sources(request: _LaneRequest, t: int) -> _LaneSources:
+    """The lane leader's sources, from what :func:`resume` was given or the job's configuration."""
+    shadows, job_id = request.shadows, request.job_id
+    if shadows is None:
+        from hosts.ddp import CheckmateConfig
+        from hosts.ddp_config import CheckmateConfigError
+
+        try:
+            config = CheckmateConfig.from_env()
+        except CheckmateConfigError as exc:
+            raise ResumeError(f"lane {t}: {exc}") from None
+        shadows = dict(config.shadow_control)
+        job_id = config.job_id if job_id is None else job_id + t
+    else:
+        job_id = (_job_id_env() if job_id is None else job_id) + t
+    directory = request.snapshot_dir if request.snapshot_dir is not None else os.environ.get(SNAPSHOT_DIR_ENV)
+    lane_dir = None
+    if directory:
+        text = str(directory)
+        if "{tp_index}" not in text:
+            raise ResumeError(
+                f"snapshot_dir {text!r}: with tp_degree {request.tp} every lane has its own snapshot "
+                "directory; name it with {tp_index} (e.g. snapshots/lane{tp_index})"
+            )
+        lane_dir = Path(text.replace("{tp_index}", str(t)))
+    merged = Path(request.merged_dir) if request.merged_dir is not None else None
+    return _LaneSources(request.tp, t, job_id, dict(shadows), lane_dir, merged)
+
+
+def _resume_lane(model: nn.Module, optimizer: torch.optim.Optimizer, request: _LaneRequest) -> ResumePoint:
+    """:func:`resume` for a TP x DP job: every lane restores its own shard, all at one iteration."""
+    group, t, leader = _lane_group(model, request)
+    is_leader = dist.get_rank() == leader
+    sources: _LaneSources | None = None
+    original: RestoredState | None = None
+    note: dict[str, Any] | None = None
+    if is_leader:
+        try:
+            sources = _lane_sources(request, t)
+            original = sources.latest(request.timeout, request.start_over)
+            finished = (
+                None
+                if original is None
+                else workers_finished(sources.shadows, min(request.timeout, 5.0), sources.job_id)
+            )
+            note = _lane_note(t, sources.job_id, original, finished)
+        except ResumeError as exc:
+            note = {**_lane_note(t, -1, None), "error": str(exc)}
+    lanes = _gather_lanes(note, request.tp)
+    _raise_lane_errors(lanes)
+    held = {u: n["iteration"] for u, n in lanes.items()}
+    if all(i is None for i in held.values()):
+        logger.info("no lane holds a state: starting from iteration 0")
+        return ResumePoint(iteration=0)
+    if any(i is None for i in held.values()):
+        empty = sorted(u for u, i in held.items() if i is None)
+        story = _lane_story(lanes)
+        if not request.start_over:
+            raise ResumeError(
+                f"lane(s) {empty} hold no state while the others do ({story}); the lanes of a TP job "
+                "restore together: bring the lanes' shadows or snapshots back, or pass start_over=True"
+            )
+        logger.error("lane(s) %s hold no state (%s); starting from iteration 0 as asked", empty, story)
+        return ResumePoint(iteration=0)
+    state = original
+    target = max(i for i in held.values() if i is not None)
+    low = min(i for i in held.values() if i is not None)
+    newest = target
+    if low != target:  # the lanes differ: those behind wait for their shadows to reach the newest
+        logger.warning("the lanes hold different iterations (%s); agreeing on one", _lane_story(lanes))
+        state, lanes = _agree(state, sources, lanes, target, min(request.timeout, 10.0), from_disk=False)
+        if any(n["iteration"] != target for n in lanes.values()):  # else the oldest, from disk
+            state, lanes = _agree(original, sources, lanes, low, request.timeout, from_disk=True)
+            target = low
+            if any(n["iteration"] != target for n in lanes.values()):
+                raise ResumeError(
+                    f"the lanes cannot agree on an iteration ({_lane_story(lanes)}): a lane behind cannot "
+                    f"reach iteration {newest} (no shadow has it) and a lane ahead has no "
+                    f"snapshot of iteration {low} (pass snapshot_dir with {{tp_index}} or merged_dir)"
+                )
+    box: list[Any] = [state]
+    dist.broadcast_object_list(box, src=leader, group=group)
+    mine: RestoredState = box[0]
+    load_state(model, optimizer, mine, request.stateful)
+    finished_all = [n["finished"] for n in lanes.values() if isinstance(n["finished"], int)]
+    finished = max(finished_all) if finished_all else None
+    lost = None if finished is None else max(0, finished - target)
+    summary = tuple(
+        LaneRestore(u, int(n["job_id"]), target, str(n["source"]), str(n["detail"]), n["finished"])
+        for u, n in sorted(lanes.items())
+    )
+    logger.log(
+        logging.WARNING if lost else logging.INFO,
+        "lane %d resumed after iteration %d, every lane at the same iteration (%s); %s",
+        t,
+        target,
+        _lane_story(lanes),
+        "how many finished iterations are lost is unknown"
+        if lost is None
+        else f"{lost} finished iteration(s) lost",
+    )
+    return ResumePoint(
+        iteration=mine.next_iteration,
+        optimizer_step=mine.optimizer_step,
+        data_position=mine.data_position,
+        source=mine.source,
+        detail=mine.detail,
+        lost_iterations=lost,
+        workers_finished=finished,
+        lanes=summary,
+    )
+
+
+def _agree(
+    state: RestoredState | None,
+    sources: _LaneSources | None,
+    lanes: dict[int, dict[str, Any]],
+    target: int,
+    timeout: float,
+    from_disk: bool,
+) -> tuple[RestoredState | None, dict[int, dict[str, Any]]]:
+    """One round: each leader not at ``target`` fetches it (memory, or disk); all learn how it went."""
+    note: dict[str, Any] | None = None
+    if sources is not None:  # a lane leader
+        t = sources.tp_index
+        mine = lanes[t]
+        if state is not None and state.iteration != target:
+            found = sources.at_from_disk(target) if from_disk else sources.at_from_memory(target, timeout)
+            if found is not None:
+                state = found
+        note = {**_lane_note(t, sources.job_id, state, mine["finished"])}
+    return state, _gather_lanes(note, len(lanes))
+
+
+def _raise_lane_errors(lanes: Mapping[int, Mapping[str, Any]]) -> None:
+    errors = [f"lane {u}: {n['error']}" for u, n in sorted(lanes.items()) if n.get("error")]
+    if errors:
+        raise ResumeError("; ".join(errors))
+
+
+def _lane_story(lanes: Mapping[int, Mapping[str, Any]]) -> str:
+    return ", ".join(
+        f"lane {u} (job {n['job_id']}): "
+        + ("nothing" if n["iteration"] is None else f"iteration {n['iteration']} from {n['source']}")
+        for u, n in sorted(lanes.items())
+    )
 
 
 def settle_buckets(ddp_model: nn.parallel.DistributedDataParallel, loss: Callable[[], torch.Tensor]) -> None:
