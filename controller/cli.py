@@ -3,6 +3,8 @@
     checkmate-ctl --network topologies/single.json pipeline push
     checkmate-ctl --network topologies/single.json forwarding install
     checkmate-ctl --network topologies/single.json job add --job-id 7 --workers h1,h2,h3,h4 --shadows sh1,sh2
+    checkmate-ctl --network topologies/single.json job add --job-id 9 --workers h1,h2,h3,h4 \
+        --shadows sh1,sh2 --tp-degree 2      # TP=2 x DP=2: lanes 9 (h1,h3 -> sh1), 10 (h2,h4 -> sh2)
     checkmate-ctl --network topologies/single.json job show 7 [--json] [--shadow-timeout 2] [--no-shadows]
     checkmate-ctl --network topologies/single.json shadow move --job 7 --shard 1 --to sh1
     checkmate-ctl --network topologies/single.json job remove 7
@@ -16,6 +18,7 @@ line naming the cause and exit with status 1; usage errors exit with 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -24,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from checkmate.address import AddressError, parse_host_port
 from checkmate.job import JobSpec, JobSpecError
 from checkmate.network import Addr, Network, NetworkError
 from checkmate.p4.program import P4INFO_PATH, Target
@@ -31,8 +35,9 @@ from checkmate.tls import TlsFiles
 from controller.capacity_cli import add_plan_parser, positive_int, run_plan
 from controller.controller import Controller
 from controller.errors import ControllerError
-from controller.job_registry_cli import forget_job, list_jobs
+from controller.job_registry_cli import forget_job, lane_line, lane_summary, list_jobs
 from controller.job_secrets import JobSecretError, JobSecrets
+from controller.jobs import check_lanes, lane_job_ids, split_lanes
 from controller.pipeline import PipelineConfig
 from controller.shadow_status import (
     DEFAULT_SHADOW_TIMEOUT_S,
@@ -96,20 +101,14 @@ def _port(text: str) -> int:
 
 
 def _shadow_address(text: str) -> tuple[str, Addr]:
-    """``NAME=HOST[:PORT]`` (the port defaults to the shadow control port)."""
+    """``NAME=HOST[:PORT]`` (the port defaults to the shadow control port; IPv6 as ``[ADDR]:PORT``)."""
     name, sep, where = text.partition("=")
     if not sep or not name or not where:
         raise argparse.ArgumentTypeError(f"{text!r} must be SHADOW=HOST[:PORT], e.g. sh1=127.0.0.1:48880")
-    if where.startswith("["):  # [IPv6]:PORT
-        host, _, rest = where[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
-    elif where.count(":") == 1:
-        host, _, port_text = where.partition(":")
-    else:
-        host, port_text = where, ""
-    if not host:
-        raise argparse.ArgumentTypeError(f"{text!r} names no host")
-    return name, (host, _port(port_text) if port_text else SHADOW_CONTROL_PORT)
+    try:
+        return name, parse_host_port(where, SHADOW_CONTROL_PORT)
+    except AddressError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -224,7 +223,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--secret-file",
         type=Path,
         help="take the job's secret from this file (hex); default: create one. Either way it is kept "
-        "in the registry (mode 0600); never give a secret on a command line",
+        "in the registry (mode 0600); never give a secret on a command line. With --tp-degree T > 1 "
+        "and no --tp-index, each lane's secret is derived from it (a lane's secret opens no other lane)",
+    )
+    add.add_argument(
+        "--tp-degree",
+        type=_tp_degree,
+        metavar="T",
+        help="tensor-parallel degree of a TP x DP job: one Checkmate job (lane) per TP index. Without "
+        "--tp-index, --workers are the job's ranks in order (rank = dp_index * T + tp_index) and "
+        "--shadows are dealt the same way: lane t is job --job-id + t with workers[t::T] and "
+        "shadows[t::T], each with its own secret",
+    )
+    add.add_argument(
+        "--tp-index",
+        type=int,
+        metavar="t",
+        help="add only lane t of a --tp-degree T job (its job id, its workers in ring order, its shadows); "
+        "it must match the lanes already registered",
     )
     secret = job_cmds.add_parser(
         "secret",
@@ -314,6 +330,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tp_degree(text: str) -> int:
+    """argparse type of --tp-degree: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{value}: a tensor-parallel degree is at least 1 (1: no tensor parallelism)"
+        )
+    return value
+
+
+def _job_specs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[JobSpec]:
+    """The job(s) ``job add`` registers: one, or one per lane of a TP job (controller.jobs.split_lanes)."""
+    if args.tp_index is not None and args.tp_degree is None:
+        parser.error("job add: --tp-index needs --tp-degree")
+    if args.spec is not None and args.tp_degree is not None:
+        parser.error('job add: with --spec, give "tp_degree" and "tp_index" in the spec file')
+    spec = _job_spec(args, parser)
+    if args.tp_degree is None:
+        return [spec]
+    if args.tp_index is not None:
+        if not 0 <= args.tp_index < args.tp_degree:
+            raise JobSpecError(f"--tp-index {args.tp_index} is outside 0..{args.tp_degree - 1} (--tp-degree)")
+        return [dataclasses.replace(spec, tp_degree=args.tp_degree, tp_index=args.tp_index)]
+    return split_lanes(spec, args.tp_degree)
+
+
 def _job_spec(args: argparse.Namespace, parser: argparse.ArgumentParser) -> JobSpec:
     inline = [args.job_id, args.workers, args.shadows]
     if args.spec is not None:
@@ -371,7 +416,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.network is None:
         parser.error("--network FILE is required for this command (or set $CHECKMATE_NETWORK)")
     network = Network.load(args.network)
-    spec = _job_spec(args, parser) if args.command == "job" and args.action == "add" else None
+    specs = _job_specs(args, parser) if args.command == "job" and args.action == "add" else []
     tls = None
     if args.tls_ca is not None:
         tls = TlsFiles(args.tls_ca, args.tls_cert, args.tls_key)
@@ -419,17 +464,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             _print_job_line(record.spec, record.slot)
             return 0
         if args.action == "add":
-            assert spec is not None
-            secrets = JobSecrets(state_dir)
-            if args.secret_file is not None:
-                secrets.create(0, args.secret_file)  # refuse a bad secret before touching the switches
-                secrets.remove(0)
-            record = ctl.add_job(spec)
-            path = secrets.create(spec.job_id, args.secret_file)
-            print(
-                f"job {spec.job_id} added: slot {record.slot}, {len(record.groups)} multicast group(s), "
-                f"{len(record.rids)} shadow rewrite(s); secret kept in {path} (mode 0600)"
-            )
+            _add_jobs(ctl, state_dir, specs, args.secret_file)
             return 0
         if args.action == "resize":
             record = ctl.resize_job(args.job_id, tuple(args.workers))
@@ -451,6 +486,36 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return 0
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _add_jobs(ctl: Controller, state_dir: Path, specs: list[JobSpec], secret_file: Path | None) -> None:
+    """Register ``specs`` (a job, or a TP job's lanes: all or none), each with its own secret."""
+    secrets = JobSecrets(state_dir)
+    if secret_file is not None:
+        secrets.create(0, secret_file)  # refuse a bad secret before touching the switches
+        secrets.remove(0)
+    check_lanes(specs, [r.spec for r in ctl.jobs()])
+    derive = len(specs) > 1  # several lanes from one secret file: one derived secret per lane
+    if secret_file is not None and not derive and specs[0].tp_degree > 1:
+        secrets.check_distinct(specs[0].job_id, secret_file, lane_job_ids(specs[0]))
+    added: list[int] = []
+    try:
+        for spec in specs:
+            record = ctl.add_job(spec)
+            added.append(spec.job_id)
+            path = secrets.create(spec.job_id, secret_file, derive_lane=derive)
+            lane = f" (lane {spec.tp_index} of TP={spec.tp_degree})" if spec.tp_degree > 1 else ""
+            print(
+                f"job {spec.job_id}{lane} added: slot {record.slot}, {len(record.groups)} multicast "
+                f"group(s), {len(record.rids)} shadow rewrite(s); secret kept in {path} (mode 0600)"
+            )
+    except (ControllerError, NetworkError) as exc:
+        for job_id in reversed(added):  # a TP job's lanes go in together or not at all
+            ctl.remove_job(job_id)
+            secrets.remove(job_id)
+        if added:
+            raise ControllerError(f"{exc} (lanes {added} added before it were removed again)") from exc
+        raise
 
 
 def _show(ctl: Controller, network: Network, args: argparse.Namespace, job_id: int) -> dict[str, Any]:
@@ -484,11 +549,16 @@ def _show(ctl: Controller, network: Network, args: argparse.Namespace, job_id: i
                 for switch, values in status.counters.items()
             },
         }
+        lanes = lane_summary(record.spec, {r.spec.job_id for r in ctl.jobs()})
+        if lanes is not None:
+            out["lanes"] = lanes
         if shadows is not None:
             out["shadows"] = {answer.shadow: answer.to_json() for answer in shadows}
             out["protection"] = protection(shadows, record.spec.job_id)
         return out
     _print_job_line(record.spec, record.slot)
+    if record.spec.tp_degree > 1:
+        print("  " + lane_line(record.spec, {r.spec.job_id for r in ctl.jobs()}))
     for (switch, port, shadow), group in sorted(record.groups.items()):
         rid = record.rids[(switch, shadow)]
         print(f"  {switch}: multicast group {group}: next hop port {port} + copy to {shadow} (rid {rid})")

@@ -6,6 +6,14 @@ is 0700, the file 0600). ``checkmate-ctl job secret N`` prints where it is, and 
 ``--check FILE`` refuses a job file whose ``"secret"`` differs. The secret reaches
 workers and shadows through a job file or an environment variable
 (:mod:`checkmate.auth`), never a command line. ``job remove`` deletes it.
+
+Every lane of a tensor-parallel job (:func:`controller.jobs.split_lanes`) is a job with a
+secret of its own, so a lane's secret opens no other lane: ``job add --tp-degree T`` issues a
+fresh one per lane, or, given ``--secret-file``, derives lane t's from it
+(:func:`lane_secret`: HMAC-SHA256 of the file's secret and the lane's job id; whoever holds
+the file can derive every lane's, a lane's holder none of the others'). A lane added on its
+own (``--tp-index``) whose secret is another registered lane's is refused
+(:meth:`JobSecrets.check_distinct`).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from pathlib import Path
 
 from checkmate.auth import (
     AuthConfigError,
+    derive_key,
     generate_secret,
     parse_secret,
     read_secret_file,
@@ -43,13 +52,18 @@ class JobSecrets:
     def path(self, job_id: int) -> Path:
         return self.directory / f"job-{job_id}.secret"
 
-    def create(self, job_id: int, take_from: Path | None = None) -> Path:
-        """Keep a new secret for ``job_id`` (``take_from``: a file holding one); its path."""
+    def create(self, job_id: int, take_from: Path | None = None, derive_lane: bool = False) -> Path:
+        """Keep a new secret for ``job_id`` (``take_from``: a file holding one); its path.
+
+        ``derive_lane``: keep :func:`lane_secret` of the file's secret for ``job_id`` instead
+        (a lane of a TP job added with the others from one secret file).
+        """
         if take_from is not None:
             try:
-                secret = read_secret_file(take_from).hex()
+                raw = read_secret_file(take_from)
             except AuthConfigError as exc:
                 raise JobSecretError(str(exc)) from None
+            secret = lane_secret(raw, job_id) if derive_lane else raw.hex()
         else:
             secret = generate_secret()
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -96,3 +110,24 @@ class JobSecrets:
                 f"job file {job_file}: its secret differs from job {job_id}'s in the registry "
                 f"({self.path(job_id)})"
             )
+
+    def check_distinct(self, job_id: int, take_from: Path, others: list[int]) -> None:
+        """Refuse (JobSecretError) the secret in ``take_from`` for lane ``job_id`` when it is also the
+        registered secret of one of ``others`` (the other lanes of its TP job)."""
+        try:
+            mine = read_secret_file(take_from)
+        except AuthConfigError as exc:
+            raise JobSecretError(str(exc)) from None
+        for other in others:
+            if other == job_id or not self.path(other).exists():
+                continue
+            if hmac.compare_digest(mine, self.read(other)):
+                raise JobSecretError(
+                    f"{take_from}: this secret is job {other}'s, another lane of job {job_id}'s TP job; "
+                    "each lane has its own secret (give another --secret-file, or none to have one created)"
+                )
+
+
+def lane_secret(secret: bytes, job_id: int) -> str:
+    """Lane ``job_id``'s secret derived from a TP job's ``secret`` (hex): HMAC-SHA256(secret, label)."""
+    return derive_key(secret, "lane", job_id).hex()

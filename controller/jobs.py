@@ -25,7 +25,7 @@ import logging
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from checkmate.job import JobSpec
+from checkmate.job import MAX_JOB_ID, JobSpec
 from checkmate.network import MAX_MULTICAST_GROUP_ID, Network, NetworkError
 from controller.entities import Entity, Update, diff
 from controller.errors import CapacityError, JobError
@@ -204,3 +204,118 @@ def job_updates(
     new = plan_entities(network, after)
     updates = {switch: diff(new[switch], old[switch]) for switch in network.switches}
     return {switch: u for switch, u in updates.items() if u}
+
+
+# ---- tensor-parallel lanes ----------------------------------------------------------------------
+# A TP x DP job is one Checkmate job per TP index, a *lane* (checkmate/job.py): lane t of a job
+# whose first lane is job J is job J + t (what the workers compute from CHECKMATE_JOB_ID), its
+# workers are the ranks of TP index t (rank = dp_index * T + t), and it has its own shadows and
+# its own secret (controller/job_secrets.py).
+def first_lane_id(spec: JobSpec) -> int:
+    """The job id of lane 0 of the TP job ``spec`` is a lane of (``spec.job_id`` without TP)."""
+    return spec.job_id - spec.tp_index
+
+
+def lane_job_ids(spec: JobSpec) -> list[int]:
+    """The job ids of every lane of ``spec``'s TP job, in TP index order (``[job_id]`` without TP)."""
+    first = first_lane_id(spec)
+    return [first + t for t in range(spec.tp_degree)]
+
+
+def split_lanes(spec: JobSpec, tp_degree: int) -> list[JobSpec]:
+    """The lanes of a TP x DP job given as one: ``spec.workers`` are its ranks in order
+    (rank = dp_index * ``tp_degree`` + tp_index), ``spec.shadows`` are dealt to the lanes the same
+    way (lane t gets ``shadows[t::tp_degree]``); lane t is job ``spec.job_id + t``.
+
+    JobError naming what does not divide or fit (a lane needs 2 workers and a shadow).
+    """
+    if tp_degree < 1:
+        raise JobError(
+            f"tp degree {tp_degree}: a tensor-parallel degree is at least 1 (1: no tensor parallelism)"
+        )
+    if tp_degree == 1:
+        return [spec]
+    if spec.tp_degree != 1:
+        raise JobError(
+            f"job {spec.job_id} is already lane {spec.tp_index} of {spec.tp_degree}; it cannot be split"
+        )
+    workers, shadows = len(spec.workers), len(spec.shadows)
+    if workers % tp_degree or workers // tp_degree < 2:
+        raise JobError(
+            f"tp degree {tp_degree}: the {workers} workers must be the job's ranks, a multiple of "
+            f"{tp_degree} with at least 2 per lane (DP degree >= 2); got {list(spec.workers)}"
+        )
+    if shadows % tp_degree:
+        raise JobError(
+            f"tp degree {tp_degree}: the {shadows} shadows are dealt to the lanes (lane t gets every "
+            f"{tp_degree}th from the t-th), so their number must be a multiple of {tp_degree}; "
+            f"got {list(spec.shadows)}"
+        )
+    if len(spec.shard_to_shadow) != shadows or any(
+        spec.shard_to_shadow.get(k) != s for k, s in enumerate(spec.shadows)
+    ):
+        raise JobError(
+            "a shard map (--shard) cannot be dealt to lanes: add each lane with --tp-index and its own map"
+        )
+    if spec.job_id + tp_degree - 1 > MAX_JOB_ID:
+        raise JobError(
+            f"job ids {spec.job_id}..{spec.job_id + tp_degree - 1}: past the largest, {MAX_JOB_ID}"
+        )
+    return [
+        JobSpec(
+            job_id=spec.job_id + t,
+            workers=spec.workers[t::tp_degree],
+            shadows=spec.shadows[t::tp_degree],
+            shadow_port=spec.shadow_port,
+            tp_degree=tp_degree,
+            tp_index=t,
+        )
+        for t in range(tp_degree)
+    ]
+
+
+def check_lanes(lanes: Collection[JobSpec], registered: Collection[JobSpec]) -> None:
+    """Refuse (JobError naming both jobs) lanes that do not match each other or the registered ones.
+
+    Lanes of one TP job agree on the TP degree, on their TP index (job id - index is the first
+    lane's id), on the DP degree (their number of workers), and share no worker. A registered
+    job at a lane's id that is not that lane (no TP, another degree or index) is a mismatch too:
+    the workers would take it for the lane.
+    """
+    known = {spec.job_id: spec for spec in registered}
+    for lane in lanes:
+        known[lane.job_id] = lane
+    for lane in lanes:
+        if lane.tp_degree == 1:
+            continue
+        first = first_lane_id(lane)
+        if first < 1:
+            raise JobError(
+                f"job {lane.job_id} as lane {lane.tp_index} of {lane.tp_degree} puts lane 0 at job {first}; "
+                "lane t of a TP job is job <first lane's id> + t, and job ids start at 1"
+            )
+        where = f"job {lane.job_id} (lane {lane.tp_index} of {lane.tp_degree})"
+        for t, job_id in enumerate(lane_job_ids(lane)):
+            other = known.get(job_id)
+            if other is None or other is lane:
+                continue
+            if (other.tp_degree, other.tp_index) != (lane.tp_degree, t):
+                said = (
+                    "is registered without tensor parallelism"
+                    if other.tp_degree == 1
+                    else f"is lane {other.tp_index} of {other.tp_degree}"
+                )
+                raise JobError(
+                    f"{where} makes job {job_id} its lane {t}, but job {job_id} {said}: the lanes do not "
+                    f"match (lane t of a TP job is job {first} + t, every lane with the same TP degree)"
+                )
+            if len(other.workers) != len(lane.workers):
+                raise JobError(
+                    f"{where} has {len(lane.workers)} workers but its lane {t} (job {job_id}) has "
+                    f"{len(other.workers)}: every lane of a TP job has the DP degree's number of workers"
+                )
+            shared = sorted(set(other.workers) & set(lane.workers))
+            if shared:
+                raise JobError(
+                    f"{where} and its lane {t} (job {job_id}) share worker(s) {shared}: a rank is in one lane"
+                )
