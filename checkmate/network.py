@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from checkmate.address import AddressError, parse_host_port
+
 logger = logging.getLogger(__name__)
 
 Addr = tuple[str, int]
@@ -529,10 +531,13 @@ def _parse_switches(raw: Any) -> dict[str, Switch]:
             raise NetworkError(f"{where} must be an object with grpc and device_id")
         _no_unknown(spec, _SWITCH_FIELDS, where)
         grpc_addr = spec.get("grpc")
-        if not isinstance(grpc_addr, str) or not re.match(r"^[^\s:]+:[0-9]{1,5}$", grpc_addr):
+        if not isinstance(grpc_addr, str):
             raise NetworkError(f"{where}.grpc: {grpc_addr!r} must be 'HOST:PORT', e.g. '127.0.0.1:50001'")
-        if not 1 <= int(grpc_addr.rsplit(":", 1)[1]) <= 65535:
-            raise NetworkError(f"{where}.grpc: port of {grpc_addr!r} is not a TCP port")
+        try:
+            parse_host_port(grpc_addr)
+        except AddressError as exc:
+            example = "e.g. '127.0.0.1:50001'"
+            raise NetworkError(f"{where}.grpc: {exc}; it must be 'HOST:PORT', {example}") from None
         device_id = _int_field(spec, "device_id", where, 0, MAX_DEVICE_ID)
         device_id = position if device_id is None else device_id
         cpu_port = _int_field(spec, "cpu_port", where, 1, MAX_PORT)

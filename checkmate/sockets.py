@@ -1,4 +1,4 @@
-"""Socket buffer sizing shared by every Checkmate datagram socket (workers' transport, shadows).
+"""Socket buffer sizing and binding shared by every Checkmate socket (workers' transport, shadows).
 
 Linux caps ``SO_RCVBUF``/``SO_SNDBUF`` at ``net.core.rmem_max``/``wmem_max`` (4 MiB on
 many machines, doubled by the kernel to 8 MiB), which holds only about 500 jumbo
@@ -16,6 +16,8 @@ import logging
 import os
 import socket
 import termios
+
+from checkmate.address import format_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -62,3 +64,35 @@ def receive_queued(sock: socket.socket) -> bool:
     except OSError:
         return False
     return queued[0] > 0
+
+
+class BindError(OSError):
+    """A socket that cannot take its address; the message names who binds, the address and why.
+
+    Keeps the ``errno`` of the refusal (``EADDRINUSE``, ``EADDRNOTAVAIL``, ``EACCES``...).
+    """
+
+
+def _bind_error(exc: OSError, role: str, address: tuple[str, int], kind: str) -> BindError:
+    where = format_host_port(str(address[0]), int(address[1]))
+    return BindError(exc.errno, f"{role} cannot bind {kind} {where}: {exc.strerror or exc}")
+
+
+def bind(sock: socket.socket, address: tuple[str, int], role: str) -> None:
+    """``sock.bind(address)``; a refusal raises :class:`BindError` naming ``role`` and ``HOST:PORT``.
+
+    ``role`` says whose socket it is (e.g. "shadow sh1's data socket").
+    """
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        kind = "UDP" if sock.type == socket.SOCK_DGRAM else "TCP"
+        raise _bind_error(exc, role, address, kind) from None
+
+
+def create_server(address: tuple[str, int], role: str, *, reuse_port: bool = False) -> socket.socket:
+    """:func:`socket.create_server` (TCP, listening); a refusal raises :class:`BindError` as :func:`bind`."""
+    try:
+        return socket.create_server(address, reuse_port=reuse_port)
+    except OSError as exc:
+        raise _bind_error(exc, role, address, "TCP") from None

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from checkmate.address import AddressError, parse_host_port
+
 logger = logging.getLogger(__name__)
 
 
@@ -66,7 +68,10 @@ def is_local_address(address: str) -> bool:
     """A unix socket or a loopback host (``127.x``, ``::1``, ``localhost``)."""
     if address.startswith("unix:"):
         return True
-    host = address.rpartition(":")[0].strip("[]")
+    try:
+        host = parse_host_port(address, allow_zero=True)[0]
+    except AddressError:
+        return False
     return host == "localhost" or host == "::1" or host.startswith("127.")
 
 

@@ -88,9 +88,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from checkmate.address import parse_host_port
 from checkmate.auth import DatagramAuth, datagram_job, derive_key, secret_from_env
 from checkmate.network import Addr
-from checkmate.sockets import grow_buffer
+from checkmate.sockets import bind, grow_buffer
 from checkmate.wire import CHECKMATE_UDP_PORT, MAX_PAYLOAD_BYTES, CheckmateHeader, WireFormatError
 from hosts import native
 from hosts.faults import FaultConfig, FaultInjector
@@ -188,8 +189,8 @@ def datapath_from_env(environ: Mapping[str, str] | None = None) -> str:
 def resolve(addr: tuple[str, int] | str, default_port: int = CHECKMATE_UDP_PORT) -> Addr:
     """``"ip"``, ``"ip:port"`` or ``(host, port)`` -> ``(dotted-quad, port)``."""
     if isinstance(addr, str):
-        host, _, port = addr.partition(":")
-        return (socket.gethostbyname(host), int(port) if port else default_port)
+        host, port = parse_host_port(addr, default_port)
+        return (socket.gethostbyname(host), port)
     return (socket.gethostbyname(addr[0]), int(addr[1]))
 
 
@@ -201,7 +202,7 @@ class Transport(Receiver):
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         grow_buffer(self._sock, socket.SO_RCVBUF, config.rcvbuf_bytes)
         grow_buffer(self._sock, socket.SO_SNDBUF, config.sndbuf_bytes)
-        self._sock.bind(resolve(config.bind))
+        bind(self._sock, resolve(config.bind), "the Checkmate transport")
         self._sock.setblocking(False)
         self._gro = False
         with contextlib.suppress(OSError):

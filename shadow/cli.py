@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
+from checkmate.address import AddressError, parse_host_port
 from checkmate.auth import AuthConfigError
 from checkmate.checkpoint.shadow_memory import RestoreError
 from checkmate.control import DEFAULT_CONTROL_PORT, query_status
@@ -37,16 +38,11 @@ logger = logging.getLogger(__name__)
 
 
 def parse_address(text: str, default_port: int) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep:
-        return text, default_port
+    """``HOST[:PORT]`` or ``[IPv6][:PORT]`` (checkmate.address); an empty host is 0.0.0.0."""
     try:
-        number = int(port)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST[:PORT]") from None
-    if not 0 <= number <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r}: port {number} is outside 0..65535")
-    return host or "0.0.0.0", number
+        return parse_host_port(text, default_port, default_host="0.0.0.0", allow_zero=True)
+    except AddressError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _address(default_port: int) -> Callable[[str], str]:

@@ -55,7 +55,7 @@ import torch
 from checkmate.auth import DatagramKeys, secret_from_env
 from checkmate.control import Goodbye, send_message
 from checkmate.control_frame import ControlAuth
-from checkmate.sockets import grow_buffer
+from checkmate.sockets import bind, create_server, grow_buffer
 from shadow.gradient_check import GradientCheck
 from shadow.node_apply import Applier
 from shadow.node_control import ControlServer
@@ -117,10 +117,10 @@ class ShadowNode(Receiver, ControlServer, Applier, StateService, Maintenance):
 
         self._udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         grow_buffer(self._udp, socket.SO_RCVBUF, config.recv_buffer_bytes)  # past rmem_max as root
-        self._udp.bind(config.data_bind)
+        bind(self._udp, config.data_bind, f"shadow {self.name}'s data socket")
         self._udp.settimeout(0.1)
         self.data_address = self._udp.getsockname()
-        self._tcp = socket.create_server(config.control_bind, reuse_port=False)
+        self._tcp = create_server(config.control_bind, f"shadow {self.name}'s control socket")
         self._tcp.settimeout(0.1)
         self.control_address = self._tcp.getsockname()
         self._threads: list[threading.Thread] = []

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from checkmate.address import parse_host_port
 from checkmate.network import Network
 from checkmate.p4.program import Target
 from checkmate.tls import make_test_pki
@@ -215,7 +216,7 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 def _write_test_pki(directory: Path, network: Network) -> Path:
     """A fresh test PKI whose switch certificate names every switch's gRPC host."""
-    hosts = sorted({switch.grpc.rsplit(":", 1)[0].strip("[]") for switch in network.switches.values()})
+    hosts = sorted({parse_host_port(switch.grpc)[0] for switch in network.switches.values()})
     make_test_pki(directory, hosts=hosts)
     return directory
 

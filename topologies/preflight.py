@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from checkmate.address import AddressError, parse_host_port
 from checkmate.network import Network, NetworkError
 from checkmate.p4.program import Target
 from checkmate.tls import PkiFiles, TlsConfigError, pki_in, server_args
@@ -234,10 +235,12 @@ def make_plan(
 
 
 def _check_tcp_free(address: str, owner: str, what: str) -> None:
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]") or "0.0.0.0"
     try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        host, port = parse_host_port(address, default_host="0.0.0.0")
+    except AddressError as exc:
+        raise PreflightError(f"{owner}'s {what} address: {exc}") from None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise PreflightError(f"{owner}'s {what} address {address}: {exc.strerror}") from None
     family, _, _, _, sockaddr = infos[0]

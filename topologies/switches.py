@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from checkmate.address import parse_host_port
 from checkmate.p4.program import Target
 from topologies.hosts import configure_switch_interface
 from topologies.mininet_import import import_mininet
@@ -51,14 +52,13 @@ def log_tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
 
 def tcp_accepts(address: str, timeout: float = 0.5) -> bool:
     """Whether something accepts TCP connections at ``HOST:PORT``."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
+    host, port = parse_host_port(address, default_host="")
     if host in ("", "0.0.0.0"):
         host = "127.0.0.1"
     elif host == "::":
         host = "::1"
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
+        with socket.create_connection((host, port), timeout=timeout):
             return True
     except OSError:
         return False

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from checkmate.address import AddressError, parse_host_port
 from checkmate.checkpoint.digest import optimizer_digest, parameters_digest
 from checkmate.checkpoint.source import SOURCE_SHADOW_MEMORY, RestoredState, SourceError
 from checkmate.control import (
@@ -300,11 +301,10 @@ def _address(text: str) -> tuple[str, Addr]:
     name, sep, rest = text.partition("=")
     if not sep:
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME=HOST[:PORT]")
-    host, colon, port = rest.rpartition(":")
     try:
-        return name, ((host, int(port)) if colon else (rest, DEFAULT_CONTROL_PORT))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=HOST[:PORT]") from None
+        return name, parse_host_port(rest, DEFAULT_CONTROL_PORT)
+    except AddressError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=HOST[:PORT]: {exc}") from None
 
 
 def _digest_command(args: argparse.Namespace) -> int:
