@@ -112,9 +112,12 @@ def run_pressure(
     tmp = Path(tempfile.mkdtemp(prefix="pressure-"))
     original = ShadowOptimizer.apply
 
+    slow_steps = [0]  # optimizer steps s1 has applied (its apply thread only)
+
     def slow_apply(self: ShadowOptimizer, *args: Any, **kwargs: Any) -> Any:
         if threading.current_thread().name == "shadow-s1-apply":
             time.sleep(delay)
+            slow_steps[0] += 1
         return original(self, *args, **kwargs)
 
     nodes = [
@@ -168,6 +171,7 @@ def run_pressure(
         job_started = time.monotonic()
         r0, _r1 = run_ranks(_train, 2, f"{tmp}/store", env, copies, steps, pace, timeout=600)
         job_seconds = time.monotonic() - job_started
+        slow_steps_during_job = slow_steps[0]
         caught_up = nodes[1].wait_applied(steps - 1, catch_up_s)
         catch_up_seconds = time.monotonic() - job_started - job_seconds
         stop.set()
@@ -208,6 +212,7 @@ def run_pressure(
         },
         "slow_shadow": {
             "max_lag_iterations": max((s["lag"] or 0) for s in slow),
+            "steps_applied_during_job": slow_steps_during_job,
             "max_stash_bytes": max(s["stash_bytes"] for s in slow),
             "stash_limit_bytes": stash_bytes,
             "certified_never_went_back": all(
