@@ -5,8 +5,10 @@ worker's source address can put its own values into a shadow's buckets before th
 genuine copies arrive. Rank 0 tags every fully reduced bucket
 (:class:`checkmate.auth.GradientDigests`) and sends the tags in its authenticated
 commit; :meth:`GradientCheck.forged` recomputes them over the bucket the shadow
-assembled. A bucket whose tag differs is never applied: the apply thread drops the
-iteration (counted ``forged_gradient``), logs it and asks rank 0 for fresh state.
+assembled. A bucket whose tag differs is never applied: the apply thread throws its
+copies away (counted ``forged_gradient``), logs it and repairs the bucket from the
+workers (REPAIR_DATA carries the job's MAC; DATA copies of the bucket are refused from
+then on); only if the repaired bucket fails the tag too is rank 0 asked for fresh state.
 This holds whatever ``CHECKMATE_FINGERPRINT_EVERY`` is. A commit without tags comes
 from an older rank 0 (the commit itself is authenticated, so nobody else can strip them):
 its iteration is applied unchecked, as before.

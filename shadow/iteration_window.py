@@ -57,6 +57,8 @@ class DropReason(enum.Enum):
     OUT_OF_RANGE = "offset_past_bucket_end"
     WRONG_DTYPE = "wrong_dtype"
     DUPLICATE = "duplicate"
+    REFUSED_BUCKET = "copy_of_refused_bucket"
+    """A DATA copy of a bucket whose copies failed rank 0's gradient tag: only repairs fill it."""
 
 
 @dataclass
@@ -102,6 +104,9 @@ class IterationWindow:
         self.horizon = horizon
         self.pending: dict[int, PendingIteration] = {}
         self.stats = WindowStats()
+        self.repair_only: set[tuple[int, int]] = set()
+        """(iteration, bucket) whose copies were refused (:meth:`refuse_copies`): from then on only
+        REPAIR_DATA, which carries the job's MAC, fills them."""
 
     def _iteration(self, iteration: int) -> PendingIteration:
         pending = self.pending.get(iteration)
@@ -136,6 +141,12 @@ class IterationWindow:
         refused = self.admits(header.iteration)
         if refused is not None:
             return self._drop(refused)
+        if (
+            self.repair_only
+            and header.msg_type is MessageType.DATA
+            and (header.iteration, header.bucket_id) in self.repair_only
+        ):
+            return self._drop(DropReason.REFUSED_BUCKET)
         assembly = self._iteration(header.iteration).buckets[header.bucket_id]
         try:
             result = assembly.place_bytes(header.element_offset, header.element_count, payload)
@@ -146,6 +157,22 @@ class IterationWindow:
         self.stats.placed_packets += 1
         self.stats.placed_elements += header.element_count
         return None
+
+    def refuse_copies(self, iteration: int, bucket_id: int) -> bool:
+        """Empty owned ``bucket_id`` of ``iteration`` and take only REPAIR_DATA for it from now on.
+
+        For a bucket whose assembled copies do not match rank 0's gradient tag (forged copies
+        placed before the genuine ones): the shadow then repairs it from the workers, whose
+        answers are authenticated, instead of asking rank 0 for its whole state. False (nothing
+        changed) if the bucket was refused before: its repaired contents failed the tag too.
+        """
+        key = (iteration, bucket_id)
+        if key in self.repair_only:
+            return False
+        layout = self.layouts[bucket_id]
+        self._iteration(iteration).buckets[bucket_id] = BucketAssembly(layout.numel, layout.dtype)
+        self.repair_only.add(key)
+        return True
 
     def assembly(self, iteration: int, bucket_id: int) -> BucketAssembly:
         """The owned bucket ``bucket_id`` of ``iteration`` (a window iteration), made on first use."""
@@ -186,6 +213,8 @@ class IterationWindow:
         """Forget the applied iteration and move the window on."""
         self.pending.pop(self.next_iteration, None)
         self.next_iteration += 1
+        if self.repair_only:
+            self.repair_only = {key for key in self.repair_only if key[0] >= self.next_iteration}
 
     def owned_parameters(self) -> set[str]:
         return {slot.name for b in self.owned for slot in self.layouts[b].parameters}

@@ -50,19 +50,7 @@ class Applier(NodeState):
             assert pending.step is not None
             forged = self._gradient_check.forged(self._job_id(), entry.gradient_digests, pending)
             if forged:  # never applied: copies from outside the job (docs/security.md)
-                with self._lock:
-                    if self._epoch is epoch:
-                        epoch.window.pending.pop(pending.iteration, None)
-                    self._drop("forged_gradient")
-                    conn = self._control_conn
-                logger.warning(
-                    "shadow %s: iteration %d NOT applied: bucket %d: %s; asking rank 0 for fresh state",
-                    self.name,
-                    pending.iteration,
-                    *forged[0],
-                )
-                if conn is not None:
-                    self._request_state(conn, f"forged gradient copies in iteration {pending.iteration}")
+                self._refuse_forged(epoch, pending.iteration, forged)
                 continue
             started = time.perf_counter()
             with self._state_lock:
@@ -114,6 +102,51 @@ class Applier(NodeState):
                 continue  # neither certified nor persisted: rank 0 re-seeds this shadow
             if current and self._certify(pending.iteration, epoch):
                 self._maybe_snapshot(epoch, pending.iteration)
+
+    def _refuse_forged(self, epoch: Epoch, iteration: int, forged: list[tuple[int, str]]) -> None:
+        """Buckets of ``iteration`` whose copies fail rank 0's gradient tags: repair them, never apply them.
+
+        Their copies are thrown away and the buckets filled again from the workers' repair
+        answers (authenticated by the job's MAC; copies that arrive meanwhile are refused), so
+        an injector costs the shadow a repair round trip per iteration, not a re-seed. Only if a
+        repaired bucket fails its tag too (the workers themselves disagree with rank 0) is the
+        iteration dropped and rank 0 asked for fresh state.
+        """
+        with self._lock:
+            current = self._epoch is epoch
+            repairing = [b for b, _ in forged if current and epoch.window.refuse_copies(iteration, b)]
+            reseed = current and len(repairing) < len(forged)
+            if reseed:  # halted here until rank 0's fresh state replaces this epoch
+                epoch.window.pending.pop(iteration, None)
+                self._commits.pop(iteration, None)
+            elif self._repairs is not None:
+                for bucket_id in repairing:
+                    self._repairs.restart(iteration, bucket_id)
+            self._drop("forged_gradient")
+            conn = self._control_conn
+        bucket_id, why = forged[0]
+        if not reseed:
+            logger.warning(
+                "shadow %s: iteration %d NOT applied yet: bucket %d: %s; its copies are refused and "
+                "%d bucket(s) repaired from the workers",
+                self.name,
+                iteration,
+                bucket_id,
+                why,
+                len(repairing),
+            )
+            self._wake.set()  # the maintenance thread plans the repair now
+            return
+        logger.warning(
+            "shadow %s: iteration %d NOT applied: bucket %d: %s, also after its repair; asking rank 0 for "
+            "fresh state",
+            self.name,
+            iteration,
+            bucket_id,
+            why,
+        )
+        if conn is not None:
+            self._request_state(conn, f"forged gradient copies in iteration {iteration}")
 
     def _diverge_locked(self, iteration: int, differs: list[str]) -> dict[str, Any]:
         """The state after ``iteration`` differs from rank 0's: withdraw certification (lock held).

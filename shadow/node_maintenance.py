@@ -178,8 +178,9 @@ class Maintenance(NodeState):
             if pending is not None and pending.complete:
                 continue
             wanted = True
-            if now - entry.arrival < self.config.repair.grace:
-                continue
+            refused = window.repair_only and any(key[0] == iteration for key in window.repair_only)
+            if now - entry.arrival < self.config.repair.grace and not refused:
+                continue  # copies may still be on the way (a refused bucket takes none: no grace)
             if pending is None:
                 window.commit(entry.record)
                 pending = window.pending[iteration]

@@ -149,6 +149,7 @@ class Receiver(NodeState):
             or fields[8] != spec.shard_key
             or _TORCH_DTYPES.get(fields[3]) != layout.dtype
             or offset + count > layout.numel
+            or (window.repair_only and (iteration, bucket_id) in window.repair_only)
         ):
             return False, None
         self._latest_seen = max(self._latest_seen, iteration)

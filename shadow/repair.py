@@ -117,6 +117,12 @@ class RepairTracker:
             if repair.outstanding is not None:
                 self._by_request.pop(repair.outstanding.request_id, None)
 
+    def restart(self, iteration: int, bucket_id: int) -> None:
+        """Forget what was asked for ``bucket_id`` of ``iteration``: its whole contents are wanted anew."""
+        repair = self.buckets.pop((iteration, bucket_id), None)
+        if repair is not None and repair.outstanding is not None:
+            self._by_request.pop(repair.outstanding.request_id, None)
+
     def due(
         self, iteration: int, bucket_id: int, missing: list[tuple[int, int]], now: float
     ) -> tuple[int, int, list[tuple[int, int]]] | None:

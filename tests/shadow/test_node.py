@@ -401,6 +401,66 @@ def test_unrepairable_gap_blocks_certification_and_asks_for_state(node: ShadowNo
             w.close()
 
 
+@pytest.fixture
+def patient_node(tmp_path: Path) -> Iterator[ShadowNode]:
+    """:func:`node` with repair timeouts a loaded machine meets (a FakeWorker thread may answer late)."""
+    torch.set_num_threads(1)
+    shadow = ShadowNode(
+        ShadowConfig(
+            name="s0",
+            control_bind=("127.0.0.50", 0),
+            data_bind=("127.0.0.50", 0),
+            status_file=tmp_path / "status.json",
+            horizon=4,
+            repair=RepairPolicy(grace=0.01, timeout=1.0, max_attempts=12),
+        )
+    ).start()
+    yield shadow
+    shadow.close()
+
+
+def test_a_refused_bucket_is_repaired_and_asks_for_state_only_if_the_repair_fails_its_tag_too(
+    patient_node: ShadowNode,
+) -> None:
+    """Copies that fail rank 0's gradient tag are repaired from the workers; a failed repair re-seeds."""
+    from checkmate.auth import GradientDigests
+
+    node = patient_node
+
+    tags = GradientDigests(secret_from_env(), JOB)
+    worker = FakeWorker("127.0.0.60", nack=False)  # answers every repair with GRAD
+    try:
+        rank0 = join(node, [worker.address, worker.address])
+        sender = worker_socket()
+        # iteration 0: the copies are wrong, the repair (GRAD) matches the tag: applied, no re-seed
+        tags.record(0, 0, tensor_payload(GRAD.contiguous()))
+        sender.sendto(datagram(0, 0, GRAD[:8] * 7), node.data_address)
+        sender.sendto(datagram(0, 8, GRAD[8:]), node.data_address)
+        rank0.send(Commit(JOB, 0, [0.1], gradient_digests=tags.take(0)))
+        assert node.wait_applied(0, 10), node.status()
+        want = reference(1)
+        assert all(torch.equal(node.parameters()[n], want[n]) for n in want)
+        status = node.status()
+        assert status["drops"]["forged_gradient"] == 1 and status["resync_requests"] == 0, status
+        assert worker.requests[0] == [(0, GRAD.numel())]  # the whole bucket
+        # a genuine copy that comes late for the refused bucket is not placed
+        sender.sendto(datagram(0, 0, GRAD[:8]), node.data_address)
+        # iteration 1: rank 0 tagged other values than every worker sent: repaired, still
+        # wrong, so the iteration is dropped and rank 0 asked for fresh state
+        tags.record(1, 0, tensor_payload((GRAD * 2).contiguous()))
+        sender.sendto(datagram(1, 0, GRAD[:8]), node.data_address)
+        sender.sendto(datagram(1, 8, GRAD[8:]), node.data_address)
+        rank0.send(Commit(JOB, 1, [0.1], gradient_digests=tags.take(1)))
+        assert wait_for(lambda: any(isinstance(m, Goodbye) and "resync" in m.reason for m in rank0.received))
+        status = node.status()
+        assert status["drops"]["forged_gradient"] == 3 and status["applied_iteration"] == 0, status
+        assert [(0, GRAD.numel())] in worker.requests[1:]  # iteration 1's bucket, asked again in whole
+        rank0.close()
+        sender.close()
+    finally:
+        worker.close()
+
+
 def test_layout_change_without_state_makes_the_shadow_ask_for_state(node: ShadowNode) -> None:
     rank0 = join(node)
     moved = [
