@@ -42,6 +42,8 @@ class System:
     """Shadows only: ``checkmate-shadow run --snapshot-every`` (0: by time only)."""
     shadow_disk_seconds: float = 30.0
     """Shadows only: ``--snapshot-seconds``: the shadows' background disk tier (see SHADOW_DISK)."""
+    worker_env: tuple[tuple[str, str], ...] = ()
+    """Extra environment of every worker (a Checkmate setting compared against its default)."""
 
     @property
     def shadows(self) -> bool:
@@ -66,6 +68,11 @@ def systems_for(k: int) -> dict[str, System]:
                "to their disk every 30 s)", CM_UDP, "checkmate", 1),
         System("checkmate-disk-1", "Checkmate, the shadows also writing every iteration to their disk",
                CM_UDP, "checkmate", 1, shadow_disk_every=1, shadow_disk_seconds=0.0),
+        System(
+            "checkmate-fingerprint-8", "Checkmate with rank 0's state fingerprint every 8th iteration "
+            "(CHECKMATE_FINGERPRINT_EVERY=8) instead of every one", CM_UDP, "checkmate", 1,
+            worker_env=(("CHECKMATE_FINGERPRINT_EVERY", "8"),),
+        ),
         System(
             "host-replication", "workers unicast their reduced chunks to 2 shadows (disk every 30 s)", CM_UDP,
             "host-replication", 1,

@@ -185,6 +185,7 @@ class BenchRun:
             return launch
         extra: list[str] = []
         env = dict(launch.env)
+        env.update(system.worker_env)
         if system.transport == GLOO:
             extra.append("--no-checkmate")
         extra += ["--iterations", str(self._run_iterations(system))]  # the last --iterations counts
