@@ -4,7 +4,9 @@ Every job has a secret (32 random bytes, hex in files and the environment) that
 ``checkmate-ctl job add`` creates or takes and keeps in the registry (mode 0600).
 Workers and shadows find it, in this order, in ``CHECKMATE_JOB_SECRET`` (hex),
 ``CHECKMATE_JOB_SECRET_FILE`` (a file holding the hex) or the ``"secret"`` of the
-job file named by ``CHECKMATE_JOB_FILE``; never on a command line. A file holding
+job file named by ``CHECKMATE_JOB_FILE``; never on a command line. In a TP x DP job, where
+every lane has its own secret, ``{tp_index}`` in either path becomes this rank's TP index
+(``RANK % CHECKMATE_TP_DEGREE``), as in ``hosts.CheckmateConfig.from_env``. A file holding
 the secret must be private to its owner (mode 0600 or stricter, as ssh requires of
 private keys). A missing,
 short or malformed secret, or two sources that disagree, is an
@@ -125,8 +127,9 @@ def secret_from_env(environ: Mapping[str, str] | None = None) -> bytes:
     if env.get(SECRET_ENV):
         found.append((SECRET_ENV, parse_secret(env[SECRET_ENV], f"${SECRET_ENV}")))
     if env.get(SECRET_FILE_ENV):
-        found.append((f"{SECRET_FILE_ENV}={env[SECRET_FILE_ENV]}", read_secret_file(env[SECRET_FILE_ENV])))
-    job_file = env.get(JOB_FILE_ENV)
+        path = lane_path(env[SECRET_FILE_ENV], env)
+        found.append((f"{SECRET_FILE_ENV}={path}", read_secret_file(path)))
+    job_file = lane_path(env[JOB_FILE_ENV], env) if env.get(JOB_FILE_ENV) else None
     if job_file and not found:
         found.append((f"job file {job_file}", secret_from_job_file(job_file)))
     elif job_file:
@@ -147,6 +150,19 @@ def secret_from_env(environ: Mapping[str, str] | None = None) -> bytes:
         if not hmac.compare_digest(first, other):
             raise AuthConfigError(f"the job secret in {source} differs from the one in {first_source}")
     return first
+
+
+def lane_path(path: str, environ: Mapping[str, str]) -> str:
+    """``path`` with ``{tp_index}`` replaced by this rank's TP index (``RANK % CHECKMATE_TP_DEGREE``)."""
+    if "{tp_index}" not in path:
+        return path
+    try:
+        tp_index = int(environ.get("RANK", "0")) % int(environ.get("CHECKMATE_TP_DEGREE") or "1")
+    except (ValueError, ZeroDivisionError):
+        raise AuthConfigError(
+            f"{path}: {{tp_index}} needs RANK and CHECKMATE_TP_DEGREE as integers (>= 1)"
+        ) from None
+    return path.replace("{tp_index}", str(tp_index))
 
 
 def derive_key(secret: bytes, purpose: str, job_id: int | None = None) -> bytes:

@@ -15,13 +15,25 @@ index's rows. The log (``{rank}`` replaced) is :mod:`examples.train_lm`'s: a ``s
 record, one ``{"iteration", "loss", "time", "certified"}`` per iteration and a ``done``
 record with the digests of this rank's TP-local parameters and optimizer state, its
 ``tp_index`` and the loss of the trained TP model on a fixed evaluation batch
-(``eval_loss``). No resume: a TP job is restored from the merged lanes' checkpoint
-(:func:`checkmate.universal.shadow_merge.merge_lane_snapshots`).
+(``eval_loss``).
+
+Resumable, lane by lane: with ``--resume`` (or ``CHECKMATE_RESUME=1``, what the demo's
+launcher sets on a restart) every rank first calls ``hosts.resume(ddp, optimizer)``, which
+restores each rank's TP shard from its own lane's shadows (else its lane's snapshots,
+``--snapshot-dir`` with ``{tp_index}``, else ``--merged-dir``, the lanes' merged universal
+checkpoint), every lane at the same iteration (:mod:`hosts.recovery`); training goes on
+from the iteration after it, with the batches of those iterations. The ``start`` record
+says where the state came from, per lane, and how many finished iterations were lost
+(measured by the shadows); a ``restored`` record holds the digests of the restored state::
+
+    CHECKMATE_TP_DEGREE=2 CHECKMATE_RESUME=1 python -m examples.train_tp --tp 2 --iterations 20 \
+        --snapshot-dir 'snapshots/lane{tp_index}' --log logs/rank{rank}.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -42,11 +54,12 @@ from checkmate.universal.layout import Layout
 from checkmate.universal.load import load_module
 from checkmate.universal.runs import write_initial
 from checkmate.universal.tiny import EVAL_STEP, TinyConfig, batch, build
-from examples.train_lm import JsonLog
+from examples.train_lm import RESUME_ENV, JsonLog
 from hosts.ddp_tp import localize_tensor_parallel
-from hosts.recovery import optimizer_states_by_name
+from hosts.recovery import ResumePoint, optimizer_states_by_name
 
 logger = logging.getLogger("train_tp")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -55,6 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--log", default="rank{rank}.jsonl")
     parser.add_argument("--no-checkmate", action="store_true", help="plain TP x DDP, no Checkmate")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        default=os.environ.get(RESUME_ENV, "") not in ("", "0"),
+        help=f"restore each lane's latest certified state first (also {RESUME_ENV}=1)",
+    )
+    parser.add_argument(
+        "--snapshot-dir",
+        default=None,
+        help="each lane's snapshots, with {tp_index} (fallback to the shadows)",
+    )
+    parser.add_argument(
+        "--merged-dir", default=None, help="the lanes' merged universal checkpoint (last fallback)"
+    )
+    parser.add_argument("--restore-timeout", type=float, default=20.0, help="seconds to fetch the state")
     return parser
 
 
@@ -93,13 +121,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         localize_tensor_parallel(model)  # DDP and Checkmate see TP-local parameters
         ddp = DistributedDataParallel(model, process_group=dp_group, bucket_cap_mb=0.01)
         optimizer = torch.optim.Adam(ddp.parameters(), lr=args.lr)
+        point = ResumePoint(iteration=0)
+        if args.resume:
+            # Checkmate: the one call to resume (every rank; each lane restores its own TP shard)
+            point = hosts.resume(
+                ddp,
+                optimizer,
+                snapshot_dir=args.snapshot_dir,
+                merged_dir=args.merged_dir,
+                timeout=args.restore_timeout,
+                tp_degree=args.tp,
+            )
         log.write(
-            event="start", rank=rank, world_size=world, pid=os.getpid(), start_iteration=0, time=time.time()
+            event="start",
+            rank=rank,
+            world_size=world,
+            pid=os.getpid(),
+            tp_index=tp_index,
+            start_iteration=point.iteration,
+            restored_from=point.restored_iteration,
+            source=point.source if point.restored else None,
+            detail=point.detail if point.restored else None,
+            lost_iterations=point.lost_iterations if point.restored else None,
+            lanes=[dataclasses.asdict(lane) for lane in point.lanes],
+            time=time.time(),
         )
+        if point.restored:
+            module = ddp.module
+            log.write(
+                event="restored",
+                iteration=point.restored_iteration,
+                tp_index=tp_index,
+                params_sha256=parameters_digest(module.named_parameters()),
+                optimizer_sha256=optimizer_digest(optimizer_states_by_name(module, optimizer)),
+            )
         # Checkmate: the one added line (CHECKMATE_TP_DEGREE makes this DP group a lane)
-        agent = None if args.no_checkmate else hosts.enable_checkmate(ddp, optimizer)
+        agent = None if args.no_checkmate else hosts.enable_checkmate(ddp, optimizer, resume=point)
         rows = config.batch // layout.dp
-        for iteration in range(args.iterations):
+        for iteration in range(point.iteration, args.iterations):
             tokens = batch(config, iteration)[dp_index * rows : (dp_index + 1) * rows]
             logits = ddp(tokens[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, config.vocab), tokens[:, 1:].reshape(-1))

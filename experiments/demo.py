@@ -83,8 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--tp",
         type=int,
         default=1,
-        help="tensor-parallel degree: >1 runs a TP x DP job on h1-h4, one Checkmate lane (job, shadow) per "
-        "TP index, and merges the lanes' snapshots (experiments/tp_demo.py; no failure injected)",
+        help="tensor-parallel degree: >1 runs a TP x DP job on h1-h4, one Checkmate lane (job, shadow, "
+        "secret) per TP index, kills --kill-rank during --kill-at and resumes every lane from its own "
+        "shadows, checks the result against an uninterrupted run and merges the lanes' snapshots "
+        "(experiments/tp_demo.py)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens")
     return parser

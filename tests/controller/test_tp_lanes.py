@@ -223,3 +223,18 @@ def test_a_lane_that_cannot_be_installed_takes_the_lanes_before_it_back_out(ctl:
     assert "unknown host(s) ['h9']" in err and "lanes [5] added before it were removed again" in err
     assert "no jobs registered" in ctl("job", "list")
     assert not (ctl.state_dir / "secrets" / "job-5.secret").exists()
+
+
+def test_each_rank_finds_its_own_lanes_secret_through_tp_index_in_the_job_file(tmp_path: Path) -> None:
+    from checkmate.auth import secret_from_env
+
+    lanes = [lane_secret(b"\x11" * 32, job_id) for job_id in (1, 2)]
+    for t, secret in enumerate(lanes):
+        path = tmp_path / f"job-file-tp{t}.json"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"secret": secret}, f)
+    template = str(tmp_path / "job-file-tp{tp_index}.json")
+    for rank in range(4):  # rank = dp_index * 2 + tp_index
+        env = {"RANK": str(rank), "CHECKMATE_TP_DEGREE": "2", "CHECKMATE_JOB_FILE": template}
+        assert secret_from_env(env).hex() == lanes[rank % 2]
