@@ -554,19 +554,24 @@ def _left(deadline: float, timeout: float) -> float:
 
 
 def query_status(
-    address: Addr, timeout: float, job_id: int = 0, auth: ControlAuth | None = None
+    address: Addr, timeout: float, job_id: int = 0, auth: ControlAuth | None = None, name: str | None = None
 ) -> dict[str, Any]:
     """One shadow's status document (docs/shadow.md); raises :class:`ShadowStatusError` naming the cause.
 
     The whole exchange (connect, request, reply) takes at most ``timeout`` seconds, and is
-    authenticated with ``auth`` (the job's secret; None: this process's).
+    authenticated with ``auth`` (the job's secret; None: this process's). ``name``: the
+    shadow meant; a node that names itself otherwise in its hello is refused (nothing is
+    sent to it), so a redirected connection cannot answer for another shadow.
     """
     deadline = time.monotonic() + timeout
     request = encode_message(StatusRequest(job_id))[1:]
     try:
         with socket.create_connection(address, timeout=timeout) as conn:
-            session = bind(conn, auth, job_id)
-            session.send(conn, request, job_id, _left(deadline, timeout))
+            session = bind(conn, auth, job_id, name=name)
+            try:
+                session.send(conn, request, job_id, _left(deadline, timeout))
+            except FrameAuthError as exc:  # the hello named another node
+                raise ShadowStatusError(f"refused: {exc}") from None
             try:
                 text, blob = session.recv(conn, _left(deadline, timeout), MAX_STATUS_BYTES)
                 reply = decode_message(text, blob)

@@ -85,7 +85,8 @@ def _ask(
         return ShadowStatus(name, "", error=str(address))
     where = _format_address(address)
     try:
-        return ShadowStatus(name, where, status=query_status(address, timeout, job_id, auth))
+        # the job's shadow by name: a node that names itself otherwise in its hello is refused
+        return ShadowStatus(name, where, status=query_status(address, timeout, job_id, auth, name=name))
     except ShadowStatusError as exc:
         logger.info("shadow %s at %s: %s", name, where, exc)
         return ShadowStatus(name, where, error=str(exc))

@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,10 +155,16 @@ def optimizer_states_by_name(model: nn.Module, optimizer: torch.optim.Optimizer)
 
 
 # ---- fetching -----------------------------------------------------------------------------
-def from_shadows(shadows: Mapping[str, Addr], timeout: float, job_id: int = 0) -> RestoredState:
-    """The latest state every shadow can serve, from their memory; ResumeError if there is none."""
+def from_shadows(
+    shadows: Mapping[str, Addr], timeout: float, job_id: int = 0, unnamed: Collection[str] = ()
+) -> RestoredState:
+    """The latest state every shadow can serve, from their memory; ResumeError if there is none.
+
+    Each shadow is asked by name: a node whose hello names another is refused (``unnamed``:
+    names made up for addresses given without one, not checked; :class:`ShadowMemory`).
+    """
     try:
-        return ShadowMemory(shadows, job_id).latest(timeout)
+        return ShadowMemory(shadows, job_id, unnamed).latest(timeout)
     except SourceError as exc:
         raise ResumeError(str(exc)) from None
 
@@ -182,13 +188,14 @@ def restore_latest(
     timeout: float = 20.0,
     job_id: int = 0,
     start_over: bool = False,
+    unnamed: Collection[str] = (),
 ) -> RestoredState | None:
     """Shadow memory first, then the snapshot directory; None when neither holds a state.
 
     ResumeError naming the damaged file when the newest complete checkpoint fails verification
     (unless ``start_over``: then None, with an error logged).
     """
-    sources: list[StateSource] = [ShadowMemory(shadows, job_id)]
+    sources: list[StateSource] = [ShadowMemory(shadows, job_id, unnamed)]
     if snapshot_dir is not None:
         sources.append(SnapshotDirectory(snapshot_dir))
     reasons = []
@@ -221,7 +228,9 @@ def restore_latest(
     return None
 
 
-def workers_finished(shadows: Mapping[str, Addr], timeout: float, job_id: int = 0) -> int | None:
+def workers_finished(
+    shadows: Mapping[str, Addr], timeout: float, job_id: int = 0, unnamed: Collection[str] = ()
+) -> int | None:
     """The newest iteration any shadow saw the workers finish, from their live status (None: none said).
 
     A shadow has seen iteration t finished when it holds t's commit record (sent after t's
@@ -231,7 +240,7 @@ def workers_finished(shadows: Mapping[str, Addr], timeout: float, job_id: int = 
     seen: list[int] = []
     for name, address in shadows.items():
         try:
-            status = query_status(address, timeout, job_id)
+            status = query_status(address, timeout, job_id, name=None if name in unnamed else name)
         except (ShadowStatusError, OSError) as exc:
             logger.debug("shadow %s: no status (%s)", name, exc)
             continue
@@ -245,11 +254,15 @@ def workers_finished(shadows: Mapping[str, Addr], timeout: float, job_id: int = 
 
 
 def fetch_iteration(
-    shadows: Mapping[str, Addr], iteration: int, timeout: float = 30.0, job_id: int = 0
+    shadows: Mapping[str, Addr],
+    iteration: int,
+    timeout: float = 30.0,
+    job_id: int = 0,
+    unnamed: Collection[str] = (),
 ) -> RestoredState:
     """Every shadow's shard of exactly the state after ``iteration`` (waiting up to ``timeout``), merged."""
     try:
-        return ShadowMemory(shadows, job_id).at(iteration, timeout)
+        return ShadowMemory(shadows, job_id, unnamed).at(iteration, timeout)
     except SourceError as exc:
         raise ResumeError(str(exc)) from None
 
@@ -297,6 +310,11 @@ def resume(
     ResumeError, on every rank, when a state was found but does not fit the job, or
     when the newest complete checkpoint on disk is damaged and no shadow holds a state
     (``start_over=True``: start from iteration 0 then, with an error logged).
+
+    ``shadows`` maps each shadow's *name* to its control address: the node's hello must
+    name itself so, or it is refused and asked nothing (a redirected connection cannot
+    answer for another shadow); only ``CHECKMATE_SHADOWS`` entries without ``NAME=`` go
+    unchecked.
 
     Tensor parallelism (the module docstring): ``tp_degree`` (default ``CHECKMATE_TP_DEGREE``, 1)
     > 1 makes the call lane-aware; ``group`` is this rank's lane, the DP group of its TP index
@@ -362,21 +380,28 @@ def _fetch(
     start_over: bool,
 ) -> tuple[RestoredState, int | None] | None:
     """Rank 0: the state to load and the newest iteration the shadows saw the workers finish."""
+    unnamed: frozenset[str] = frozenset()
     if shadows is None:
         from hosts.ddp import CheckmateConfig
 
         config = CheckmateConfig.from_env()
         shadows = dict(config.shadow_control)
+        unnamed = config.unnamed_shadows
         job_id = config.job_id if job_id is None else job_id
     elif job_id is None:
         job_id = _job_id_env()
     directory = snapshot_dir if snapshot_dir is not None else os.environ.get(SNAPSHOT_DIR_ENV) or None
     state = restore_latest(
-        shadows, Path(directory) if directory else None, timeout=timeout, job_id=job_id, start_over=start_over
+        shadows,
+        Path(directory) if directory else None,
+        timeout=timeout,
+        job_id=job_id,
+        start_over=start_over,
+        unnamed=unnamed,
     )
     if state is None:
         return None
-    return state, workers_finished(shadows, min(timeout, 5.0), job_id)
+    return state, workers_finished(shadows, min(timeout, 5.0), job_id, unnamed)
 
 
 def _job_id_env() -> int:
@@ -467,10 +492,12 @@ class _LaneSources:
     shadows: dict[str, Addr]
     lane_dir: Path | None
     merged_dir: Path | None
+    unnamed: frozenset[str] = frozenset()
+    """Names of :attr:`shadows` made up for addresses given without one (not checked)."""
 
     def latest(self, timeout: float, start_over: bool) -> RestoredState | None:
         """The lane's newest state: memory, then its snapshots, then the merged checkpoint."""
-        state = restore_latest(self.shadows, self.lane_dir, timeout, self.job_id, start_over)
+        state = restore_latest(self.shadows, self.lane_dir, timeout, self.job_id, start_over, self.unnamed)
         if state is None and self.merged_dir is not None and fmt.complete_steps(self.merged_dir):
             state = from_merged(self.merged_dir, self.tp, self.tp_index)
             logger.warning(
@@ -483,7 +510,7 @@ class _LaneSources:
         if not self.shadows:
             return None
         try:
-            return ShadowMemory(self.shadows, self.job_id).at(iteration, timeout)
+            return ShadowMemory(self.shadows, self.job_id, self.unnamed).at(iteration, timeout)
         except SourceError as exc:
             logger.info("lane %d: the shadows cannot serve iteration %d: %s", self.tp_index, iteration, exc)
             return None
@@ -556,6 +583,7 @@ def _lane_group(model: nn.Module, request: _LaneRequest) -> tuple[dist.ProcessGr
 def _lane_sources(request: _LaneRequest, t: int) -> _LaneSources:
     """The lane leader's sources, from what :func:`resume` was given or the job's configuration."""
     shadows, job_id = request.shadows, request.job_id
+    unnamed: frozenset[str] = frozenset()
     if shadows is None:
         from hosts.ddp import CheckmateConfig
         from hosts.ddp_config import CheckmateConfigError
@@ -565,6 +593,7 @@ def _lane_sources(request: _LaneRequest, t: int) -> _LaneSources:
         except CheckmateConfigError as exc:
             raise ResumeError(f"lane {t}: {exc}") from None
         shadows = dict(config.shadow_control)
+        unnamed = config.unnamed_shadows
         job_id = config.job_id if job_id is None else job_id + t
     else:
         job_id = (_job_id_env() if job_id is None else job_id) + t
@@ -579,7 +608,7 @@ def _lane_sources(request: _LaneRequest, t: int) -> _LaneSources:
             )
         lane_dir = Path(text.replace("{tp_index}", str(t)))
     merged = Path(request.merged_dir) if request.merged_dir is not None else None
-    return _LaneSources(request.tp, t, job_id, dict(shadows), lane_dir, merged)
+    return _LaneSources(request.tp, t, job_id, dict(shadows), lane_dir, merged, unnamed)
 
 
 def _resume_lane(model: nn.Module, optimizer: torch.optim.Optimizer, request: _LaneRequest) -> ResumePoint:
@@ -596,7 +625,9 @@ def _resume_lane(model: nn.Module, optimizer: torch.optim.Optimizer, request: _L
             finished = (
                 None
                 if original is None
-                else workers_finished(sources.shadows, min(request.timeout, 5.0), sources.job_id)
+                else workers_finished(
+                    sources.shadows, min(request.timeout, 5.0), sources.job_id, sources.unnamed
+                )
             )
             note = _lane_note(t, sources.job_id, original, finished)
         except ResumeError as exc:

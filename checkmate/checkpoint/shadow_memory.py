@@ -35,7 +35,7 @@ import logging
 import socket
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -52,11 +52,13 @@ from checkmate.control import (
     Message,
     RestoreRefused,
     RestoreRequest,
+    ShadowStatusError,
     job_state_of,
     query_status,
     recv_message,
     send_message,
 )
+from checkmate.control_frame import FrameAuthError, bind
 from checkmate.job_state import JobState
 from checkmate.network import Addr
 
@@ -67,16 +69,28 @@ class RestoreError(RuntimeError):
     """No consistent state could be fetched; the message says which shadow and why."""
 
 
-def _ask(address: Addr, message: Message, timeout: float) -> Message:
+def _ask(address: Addr, message: Message, timeout: float, name: str | None = None) -> Message:
     with socket.create_connection(address, timeout=timeout) as conn:
+        if name is not None:  # else the first frame binds a session that checks no name
+            bind(conn, None, int(getattr(message, "job_id", 0)), name=name)
         send_message(conn, message, timeout=timeout)
         return recv_message(conn, timeout=timeout)
 
 
 def fetch_shard(
-    address: Addr, iteration: int | None, wait: float, timeout: float, job_id: int = 0
+    address: Addr,
+    iteration: int | None,
+    wait: float,
+    timeout: float,
+    job_id: int = 0,
+    name: str | None = None,
 ) -> JobStart | RestoreRefused:
-    reply = _ask(address, RestoreRequest(job_id, iteration, wait), timeout + wait)
+    """One shadow's shard of the state after ``iteration`` (None: its latest), or its refusal.
+
+    ``name``: the shadow meant; a node whose hello names another is refused before anything
+    is sent (FrameAuthError), so a redirected connection cannot serve another shadow's state.
+    """
+    reply = _ask(address, RestoreRequest(job_id, iteration, wait), timeout + wait, name)
     if not isinstance(reply, (JobStart, RestoreRefused)):
         raise RestoreError(f"shadow at {address[0]}:{address[1]} answered {reply.TYPE} to a restore request")
     return reply
@@ -180,18 +194,30 @@ def merge_shards(shards: Sequence[JobStart]) -> dict[str, Any]:
     }
 
 
-def fetch_state(addresses: Sequence[Addr], timeout: float = 10.0, job_id: int = 0) -> dict[str, Any]:
+def fetch_state(
+    addresses: Sequence[Addr],
+    timeout: float = 10.0,
+    job_id: int = 0,
+    names: Sequence[str | None] | None = None,
+) -> dict[str, Any]:
     """The latest state every shadow can serve, merged: parameters, optimizer state, step, data position.
 
-    ``addresses`` are the shadows' control (TCP) addresses. Raises
-    :class:`RestoreError` if the shadows cannot agree on an iteration within
-    ``timeout`` or their shards do not cover the model exactly once.
+    ``addresses`` are the shadows' control (TCP) addresses; ``names`` (one per address, None:
+    not checked) the shadows meant there: a node that names itself otherwise is refused.
+    Raises :class:`RestoreError` if the shadows cannot agree on an iteration within
+    ``timeout``, their shards do not cover the model exactly once, or one is not the node named.
     """
     if not addresses:
         raise RestoreError("no shadow addresses")
+    named: list[str | None] = list(names) if names is not None else [None] * len(addresses)
+    if len(named) != len(addresses):
+        raise ValueError(f"{len(named)} names for {len(addresses)} shadow addresses")
     deadline = time.monotonic() + timeout
     with ThreadPoolExecutor(max_workers=len(addresses)) as pool:
-        statuses = list(pool.map(lambda a: query_status(a, timeout), addresses))
+        try:
+            statuses = list(pool.map(lambda a, n: query_status(a, timeout, name=n), addresses, named))
+        except ShadowStatusError as exc:
+            raise RestoreError(str(exc)) from None
         applied = [int(s["applied_iteration"]) for s in statuses]
         if min(applied) < 0:
             raise RestoreError(
@@ -206,9 +232,14 @@ def fetch_state(addresses: Sequence[Addr], timeout: float = 10.0, job_id: int = 
                 raise RestoreError(f"shadows could not agree on an iteration within {timeout}s ({reasons})")
             wait = max(0.0, min(left / 2, left - 0.5))
             n = len(addresses)
-            replies = list(
-                pool.map(fetch_shard, addresses, [target] * n, [wait] * n, [timeout] * n, [job_id] * n)
-            )
+            try:
+                replies = list(
+                    pool.map(
+                        fetch_shard, addresses, [target] * n, [wait] * n, [timeout] * n, [job_id] * n, named
+                    )
+                )
+            except FrameAuthError as exc:
+                raise RestoreError(f"refused a shadow: {exc}") from None
             refusals = [r for r in replies if isinstance(r, RestoreRefused)]
             if not refusals:
                 shards = [r for r in replies if isinstance(r, JobStart)]
@@ -251,9 +282,16 @@ class ShadowMemory:
 
     kind = SOURCE_SHADOW_MEMORY
 
-    def __init__(self, shadows: Mapping[str, Addr], job_id: int = 0) -> None:
+    def __init__(self, shadows: Mapping[str, Addr], job_id: int = 0, unnamed: Collection[str] = ()) -> None:
+        """``unnamed``: names in ``shadows`` that were made up for an address given without one
+        (``CHECKMATE_SHADOWS`` entries without ``NAME=``); every other name is checked against
+        the node's hello, and a node that names itself otherwise is refused."""
         self.shadows = dict(shadows)
         self.job_id = job_id
+        self.unnamed = frozenset(unnamed)
+
+    def _name(self, name: str) -> str | None:
+        return None if name in self.unnamed else name
 
     def describe(self) -> str:
         return "the memory of shadows " + ", ".join(sorted(self.shadows))
@@ -262,7 +300,12 @@ class ShadowMemory:
         if not self.shadows:
             raise SourceError("no shadow addresses")
         try:
-            state = fetch_state(list(self.shadows.values()), timeout=timeout, job_id=self.job_id)
+            state = fetch_state(
+                list(self.shadows.values()),
+                timeout=timeout,
+                job_id=self.job_id,
+                names=[self._name(n) for n in self.shadows],
+            )
         except (RestoreError, OSError, ControlProtocolError) as exc:
             raise SourceError(f"the shadows cannot serve a state: {exc}") from None
         return state_of_merged(
@@ -278,7 +321,9 @@ class ShadowMemory:
             try:
                 replies = list(
                     pool.map(
-                        lambda n: fetch_shard(self.shadows[n], iteration, timeout, timeout, self.job_id),
+                        lambda n: fetch_shard(
+                            self.shadows[n], iteration, timeout, timeout, self.job_id, self._name(n)
+                        ),
                         names,
                     )
                 )

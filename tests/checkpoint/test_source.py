@@ -84,6 +84,28 @@ def test_sources_without_a_state_say_so(tmp_path: Path) -> None:
         ShadowMemory({"sh1": _closed_port()}).latest(1.0)
 
 
+def test_the_shadow_memory_refuses_a_node_that_is_not_the_shadow_named() -> None:
+    """A restore that reaches another node than the shadow it names asks it nothing (issue 29)."""
+    from shadow.node import ShadowConfig, ShadowNode
+
+    node = ShadowNode(ShadowConfig(name="sh2", control_bind=("127.0.0.3", 0), data_bind=("127.0.0.3", 0)))
+    node.start()
+    try:
+        address = node.control_address
+        refused = "the server says it is 'sh2', not 'sh1': connected to another node"
+        with pytest.raises(SourceError, match=refused):
+            ShadowMemory({"sh1": address}).latest(2.0)
+        with pytest.raises(SourceError, match=refused):
+            ShadowMemory({"sh1": address}).at(0, 1.0)
+        # the right name, or a name made up for an address given without one, gets an answer
+        with pytest.raises(SourceError, match="holds no state yet"):
+            ShadowMemory({"sh2": address}).latest(2.0)
+        with pytest.raises(SourceError, match="holds no state yet"):
+            ShadowMemory({"shadow0": address}, unnamed={"shadow0"}).latest(2.0)
+    finally:
+        node.close()
+
+
 def test_the_snapshot_directory_reads_the_newest_complete_step_bit_for_bit(tmp_path: Path) -> None:
     net, optimizer = _trained()
     _write(tmp_path, 4, net, optimizer)

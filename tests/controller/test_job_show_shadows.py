@@ -63,8 +63,16 @@ STATUS: dict[str, Any] = {
 class FakeShadow:
     """Answers every connection on 127.0.0.x like a shadow's control port, or misbehaves (``mode``)."""
 
-    def __init__(self, mode: str = "status", host: str = "127.0.0.2", status: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        mode: str = "status",
+        host: str = "127.0.0.2",
+        status: dict[str, Any] | None = None,
+        name: str = "sh1",
+    ):
         self.mode = mode
+        self.name = name
+        self.requests = 0
         self.status = STATUS if status is None else status
         self.connections = 0
         self._listener = socket.create_server((host, 0))
@@ -87,7 +95,7 @@ class FakeShadow:
                 continue
             except OSError:
                 return
-            bind(conn, server=True)
+            bind(conn, server=True, name=self.name)  # the hello names the node, as a shadow's does
             self.connections += 1
             if self.mode == "silent":  # accept, read nothing, never answer
                 self._held.append(conn)
@@ -96,6 +104,7 @@ class FakeShadow:
                 try:
                     request = recv_message(conn, timeout=2.0)
                     assert isinstance(request, StatusRequest)
+                    self.requests += 1
                     if self.mode == "garbage":
                         conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\nnot a shadow")
                     elif self.mode == "wrong_type":
@@ -226,6 +235,7 @@ def test_json_output_has_each_shadows_status_document(
         ("silent", "no answer within 0.5 s"),
         ("garbage", "bad reply: bad frame magic b'HTTP', expected b'CMC3'"),
         ("wrong_type", "bad reply: 'status_request' to a status request"),
+        ("another_node", "refused: the server says it is 'sh2', not 'sh1': connected to another node"),
     ],
 )
 def test_a_shadow_that_fails_gets_an_error_line_and_show_still_works(
@@ -234,9 +244,13 @@ def test_a_shadow_that_fails_gets_an_error_line_and_show_still_works(
     job_cli: Callable[..., tuple[int, str, str]],
     fakes: Callable[..., FakeShadow],
 ) -> None:
-    good = fakes()
+    good = fakes(name="sh2")
+    impostor = None
     if mode == "refused":
         where = f"127.0.0.4:{closed_port()}"
+    elif mode == "another_node":  # sh1's address leads to the job's other shadow: not asked
+        impostor = fakes(host="127.0.0.5", name="sh2")
+        where = impostor.where
     else:
         where = fakes(mode, host="127.0.0.5").where
     overrides = ["--shadow-address", f"sh1={where}", "--shadow-address", f"sh2={good.where}"]
@@ -255,6 +269,8 @@ def test_a_shadow_that_fails_gets_an_error_line_and_show_still_works(
     assert shown["counters"]["s1"]["shadow_copies"]["packets"] == 2
     assert shown["shadows"]["sh1"] == {"error": error}
     assert shown["shadows"]["sh2"]["applied_iteration"] == 41
+    if impostor is not None:
+        assert impostor.connections == 2 and impostor.requests == 0  # refused at its hello
 
 
 def test_no_shadows_asks_none(
