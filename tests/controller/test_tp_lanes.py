@@ -58,7 +58,8 @@ def test_a_tp_job_is_added_as_one_lane_per_tp_index_each_with_its_own_secret(ctl
     out = ctl(
         "job", "add", "--job-id", "9", "--workers", "h1,h2,h3,h4", "--shadows", "sh1,sh2", "--tp-degree", "2"
     )
-    assert "job 9 (lane 0 of TP=2) added" in out and "job 10 (lane 1 of TP=2) added" in out
+    assert "job 9 (lane 0 of TP=2) added: slot 1, 2 multicast group(s), 1 shadow rewrite(s)" in out
+    assert "job 10 (lane 1 of TP=2) added: slot 2, 2 multicast group(s), 1 shadow rewrite(s)" in out
     lanes = [json.loads(ctl("job", "show", str(j), "--json", "--no-shadows")) for j in (9, 10)]
     assert [(d["job"]["workers"], d["job"]["shadows"]) for d in lanes] == [
         (["h1", "h3"], ["sh1"]),
