@@ -12,14 +12,17 @@ snapshotting every iteration into the lane's own directory:
   (parameters and Adam state), then B trains iterations 3-5 under Checkmate;
 * a reference run trains 0-5 without stopping: B's final tensors equal it bit for bit.
 
-Bad input is refused on every rank with a message naming the cause (a snapshot directory
-without ``{tp_index}``, a group that is not the lane).
+Lanes an iteration apart (lane 1's newest snapshot gone, no shadows asked) agree on the
+older one, each lane reading it from its own snapshots. Bad input is refused on every rank
+with a message naming the cause (a snapshot directory without ``{tp_index}``, a lane with no
+state while the other has one, a group that is not the lane).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from checkmate import checkpoint as fmt
-from checkmate.checkpoint.source import SOURCE_SHADOW_MEMORY, SOURCE_SNAPSHOT
+from checkmate.checkpoint.format import LATEST_FILE, step_name
+from checkmate.checkpoint.source import SOURCE_SHADOW_MEMORY, SOURCE_SNAPSHOT, SnapshotDirectory
 from checkmate.universal.layout import Layout
 from checkmate.universal.load import load_module
 from checkmate.universal.runs import write_initial
@@ -152,6 +156,22 @@ def _env(job_id: int, nodes: list[ShadowNode]) -> dict[str, str]:
     return env
 
 
+def _lanes_apart(main_dir: Path, root: Path, empty: bool = False) -> str:
+    """Copies of the lanes' snapshot directories where lane 1 lacks the newest step (``empty``: every
+    step): lane 0 is one iteration ahead of lane 1, or lane 1 holds nothing. Returns the ``{tp_index}``
+    template."""
+    for t in range(TP):
+        shutil.copytree(main_dir / f"lane{t}", root / f"lane{t}")
+    lane1 = root / "lane1"
+    for step in fmt.complete_steps(lane1):
+        if empty or step == STOP_AFTER - 1:
+            shutil.rmtree(lane1 / step_name(step))
+    (lane1 / LATEST_FILE).unlink()
+    if not empty:
+        (lane1 / LATEST_FILE).write_text(step_name(STOP_AFTER - 2) + "\n")
+    return str(root / "lane{tp_index}")
+
+
 @pytest.fixture(scope="module")
 def runs() -> Iterator[dict[str, Any]]:
     torch.set_num_threads(1)
@@ -172,13 +192,21 @@ def runs() -> Iterator[dict[str, Any]]:
         merged = main_dir / "merged"
         merge_lane_snapshots(lanes, merged, tiny_spec(CONFIG), logical_shapes(CONFIG))
         lane_dir = str(main_dir / "lane{tp_index}")
+        apart, holes = (
+            _lanes_apart(main_dir, tmp / "apart"),
+            _lanes_apart(main_dir, tmp / "holes", empty=True),
+        )
         plan = {
             "resume": True,
             "stop": STEPS,
-            "refusals": {"snapshot_dir_without_tp_index": {"snapshot_dir": str(main_dir / "lane0")}},
+            "refusals": {
+                "snapshot_dir_without_tp_index": {"snapshot_dir": str(main_dir / "lane0")},
+                "a_lane_without_state": {"shadows": {}, "job_id": 61, "snapshot_dir": holes},
+            },
             "restores": {
                 "merged_only": {"shadows": {}, "job_id": 61, "merged_dir": str(merged)},
                 "lane_snapshots_only": {"shadows": {}, "job_id": 61, "snapshot_dir": lane_dir},
+                "lanes_apart": {"shadows": {}, "job_id": 61, "snapshot_dir": apart},
                 "shadows": {"snapshot_dir": lane_dir, "merged_dir": str(merged)},
             },
         }
@@ -238,6 +266,25 @@ def test_every_rank_restores_its_own_lanes_shard_bit_for_bit_from_each_source(ru
     )
 
 
+def test_lanes_an_iteration_apart_agree_on_the_older_one_read_from_each_lanes_snapshots(
+    runs: dict[str, Any],
+) -> None:
+    main_dir = runs["tmp"] / "main"
+    for rank, result in enumerate(runs["second"]):
+        point = result["point/lanes_apart"]
+        assert point.restored_iteration == STOP_AFTER - 2, (rank, point)  # lane 1 has nothing newer
+        assert [(lane.iteration, lane.source) for lane in point.lanes] == [
+            (STOP_AFTER - 2, SOURCE_SNAPSHOT)
+        ] * 2
+        t = result["tp_index"]
+        on_disk = SnapshotDirectory(main_dir / f"lane{t}", STOP_AFTER - 2).latest()
+        restored = result["restored/lanes_apart"]
+        for name, value in on_disk.parameters.items():
+            assert torch.equal(restored["params"][name], value), (rank, name)
+            for key, tensor in on_disk.optimizer_state[name].items():
+                assert torch.equal(restored["state"][name][key], torch.as_tensor(tensor)), (rank, name, key)
+
+
 def test_the_resumed_job_ends_bit_identical_to_an_uninterrupted_one(runs: dict[str, Any]) -> None:
     for rank, (resumed, reference) in enumerate(zip(runs["second"], runs["reference"], strict=True)):
         assert resumed["certified"] and reference["certified"]
@@ -248,6 +295,9 @@ def test_bad_lane_input_is_refused_on_every_rank_with_the_cause(runs: dict[str, 
     for result in runs["second"]:
         message = result["refused/snapshot_dir_without_tp_index"]
         assert message is not None and "{tp_index}" in message and "lane 0" in message and "lane 1" in message
+        empty = result["refused/a_lane_without_state"]
+        assert empty is not None and "lane(s) [1] hold no state while the others do" in empty, empty
+        assert f"lane 0 (job 61): iteration {STOP_AFTER - 1} from snapshot" in empty, empty
         wrong = result["refused/wrong_group"]
         assert "its lane is the DP group of TP index" in wrong, wrong
 
