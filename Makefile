@@ -111,7 +111,7 @@ bench-switch: setup
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench-switch: needs root (network namespaces)"; exit 1; fi
 	@# Both data paths of the embedded switch, then BMv2 when simple_switch_grpc is on PATH (p4c compiles its JSON).
 	@if command -v p4c >/dev/null 2>&1; then $(MAKE) --no-print-directory p4; fi
-	$(PY) -m embedded_switch.benchmark $(BENCH_ARGS)
+	$(PY) -m experiments.bench.switch $(BENCH_ARGS)
 
 bench-hosts: setup
 	@if [ "$$(id -u)" != 0 ]; then \
@@ -122,7 +122,7 @@ bench-hosts: setup
 	$(PY) -m experiments.bench.transport topologies/single.json $(BENCH_ARGS)
 
 bench-shadow: setup
-	$(PY) -m shadow.benchmark --json results/shadow_bench.json $(BENCH_ARGS)
+	$(PY) -m experiments.bench.shadow --json results/shadow_bench.json $(BENCH_ARGS)
 
 RELIABILITY_ROWS := results/reliability-rows.jsonl
 

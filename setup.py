@@ -1,4 +1,9 @@
-"""Build script for Checkmate's optional C extensions; everything else lives in pyproject.toml.
+"""Build script for Checkmate's packages and optional C extensions; the rest lives in pyproject.toml.
+
+The wheel ships the library's packages (not ``examples`` or ``experiments``, which run from
+the checkout) and, as package data, the P4 program: ``p4src/`` becomes ``checkmate.p4.p4src``
+(with BMv2's JSON when ``make p4`` compiled it before the build), read through
+importlib.resources (checkmate/p4/program.py). tests/test_packaging.py checks both.
 
 Each extension is built from source in this repository when a C compiler and the
 Python headers are present (``make setup`` or ``pip install -e .``). Every one is
@@ -9,12 +14,28 @@ when it starts). Add an extension by appending it to ``EXTENSIONS``.
 
 from __future__ import annotations
 
-from setuptools import Extension, setup
+import shutil
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 from setuptools.errors import CCompilerError, CompileError, ExecError, LinkError, PlatformError
 
 _C_FLAGS = ["-O2", "-Wall", "-Wextra", "-std=gnu11"]
 _BUILD_ERRORS = (CCompilerError, CompileError, ExecError, LinkError, PlatformError, OSError)
+
+LIBRARY = ["checkmate", "controller", "embedded_switch", "hosts", "shadow", "topologies"]
+"""The top folders whose packages the wheel installs (every package under them)."""
+P4SRC_PACKAGE = "checkmate.p4.p4src"
+PACKAGES = [*find_packages(include=[name for top in LIBRARY for name in (top, f"{top}.*")]), P4SRC_PACKAGE]
+PACKAGE_DATA = {
+    P4SRC_PACKAGE: ["*.txtpb", "**/*.p4", "**/*.txtpb"],
+    "checkmate": ["wireshark/*.lua"],
+    "controller": ["measured/*.json", "measured/*/*.json"],
+}
+BMV2_JSON = Path("build/v1model/checkmate.json")
+"""What ``make p4`` compiles; a wheel built after it carries it in checkmate/p4/p4src/v1model/."""
 
 EXTENSIONS = [
     # The embedded switch's native data path: batched AF_PACKET I/O and the compiled flow cache.
@@ -51,4 +72,22 @@ class OptionalBuildExt(build_ext):
             self.warn(f"C extension {ext.name} not built ({exc}); its pure-Python path will be used")
 
 
-setup(ext_modules=EXTENSIONS, cmdclass={"build_ext": OptionalBuildExt})
+class BuildPyWithProgram(build_py):
+    """build_py that also puts BMv2's compiled JSON, when ``make p4`` made one, beside the P4 sources."""
+
+    def run(self) -> None:
+        super().run()
+        if BMV2_JSON.is_file() and not self.editable_mode:
+            target = Path(self.build_lib, *P4SRC_PACKAGE.split("."), "v1model", BMV2_JSON.name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(BMV2_JSON, target)
+
+
+setup(
+    packages=PACKAGES,
+    package_dir={P4SRC_PACKAGE: "p4src"},
+    package_data=PACKAGE_DATA,
+    include_package_data=False,
+    ext_modules=EXTENSIONS,
+    cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithProgram},
+)

@@ -10,7 +10,7 @@ drift by one ulp anywhere sees a different number. It is not a cryptographic
 hash: it cannot tell permuted words apart, which no optimizer bug or missed
 gradient transformation produces. A fingerprint costs
 one native-width integer pass over the bytes of each tensor, without copying them
-(measured in ``python -m shadow.benchmark --fingerprint``). Rank 0 and the shadows run this
+(measured in ``python -m experiments.bench.shadow --fingerprint``). Rank 0 and the shadows run this
 same function on the same byte order (the shadows replay on the workers' CPU type).
 
 A fingerprint is ``{parameter name: {"param": checksum, <optimizer state key>: checksum}}``

@@ -1,10 +1,12 @@
 """Capacity planning's inputs: the switch targets' limits, the measured rates, the fixed sizes.
 
 Each figure says where it comes from (the ``sources`` of a plan): the optimizer-apply
-rate from ``results/shadow_bench.json`` (``make bench-shadow``), the replicating
+rate from ``shadow_bench.json`` (``make bench-shadow``), the replicating
 switch's frame rate from ``make bench-switch``'s files, the table sizes of
 p4src/shared/defines.p4 (tests/controller/test_capacity.py keeps them equal), the
-frame overhead from the wire format. :mod:`controller.capacity` plans with them;
+frame overhead from the wire format. The measured files are package data
+(``controller/measured/``: copies of what the benchmarks wrote in ``results/``, which is
+their output only); a flag names another file. :mod:`controller.capacity` plans with them;
 :mod:`controller.capacity_cli` is ``checkmate-ctl plan``.
 """
 
@@ -13,17 +15,19 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 
 from checkmate.network import MAX_MULTICAST_GROUP_ID
-from checkmate.p4.program import REPO_ROOT
 from checkmate.wire import HEADER_BYTES, IPV4_HEADER_BYTES, UDP_HEADER_BYTES
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SHADOW_BENCH = REPO_ROOT / "results" / "shadow_bench.json"
-DEFAULT_SWITCH_BENCH = REPO_ROOT / "results" / "switch_bench.json"
-DEFAULT_BMV2_BENCH_DIR = REPO_ROOT / "results" / "switch_bench_targets"
+MEASURED = Path(str(files("controller"))) / "measured"
+"""The measured figures the planner uses by default (package data; refresh by copying from results/)."""
+DEFAULT_SHADOW_BENCH = MEASURED / "shadow_bench.json"
+DEFAULT_SWITCH_BENCH = MEASURED / "switch_bench.json"
+DEFAULT_BMV2_BENCH_DIR = MEASURED / "switch_bench_targets"
 
 ETHERNET_HEADER_BYTES = 14
 FRAME_OVERHEAD_BYTES = ETHERNET_HEADER_BYTES + IPV4_HEADER_BYTES + UDP_HEADER_BYTES + HEADER_BYTES
@@ -114,10 +118,7 @@ def _best_lossless_rate(paths: list[Path], target: str) -> tuple[float, str] | N
             ):
                 rate = float(row["in_pps"])
                 if best is None or rate > best[0]:
-                    best = (
-                        rate,
-                        str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path),
-                    )
+                    best = (rate, repo_relative(path))
     return best
 
 
@@ -192,14 +193,14 @@ def apply_rate(optimizer: str, path: Path = DEFAULT_SHADOW_BENCH) -> float:
     if not rates or rates[0] <= 0:
         raise PlanError(
             f"{path} has no apply rate for {kind} (optimizer {optimizer}): "
-            f"run python -m shadow.benchmark --kinds {kind} --json {path}"
+            f"run python -m experiments.bench.shadow --kinds {kind} --json {path}"
         )
     return rates[0]
 
 
 def repo_relative(path: Path) -> str:
-    """``path`` relative to the repository when it is inside it (for a plan's sources)."""
+    """``path`` as a plan's sources name it: ``controller/measured/...`` for the packaged figures."""
     try:
-        return str(path.resolve().relative_to(REPO_ROOT))
+        return str(Path("controller", "measured", path.resolve().relative_to(MEASURED.resolve())))
     except ValueError:
         return str(path)

@@ -21,11 +21,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from checkmate.p4.program import REPO_ROOT
 from controller.capacity import PlanInfeasible, PlanRequest, plan
 from controller.capacity_inputs import DEFAULT_SHADOW_BENCH, PlanError
 from controller.cluster_compare import (
     CONFIGS,
+    DEFAULT_BENCH,
     CompareError,
     compare,
     machine_check,
@@ -37,8 +37,9 @@ from controller.cluster_compare import (
 
 logger = logging.getLogger(__name__)
 
-DOC = REPO_ROOT / "docs" / "capacity.md"
-BENCH = REPO_ROOT / "results" / "bench.json"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "capacity.md"
+"""The page this tool of the checkout rewrites (a checkout's docs/; an installed package has none)."""
+BENCH = DEFAULT_BENCH
 BEGIN = "<!-- capacity-table:begin (python -m controller.capacity_table writes this) -->"
 END = "<!-- capacity-table:end -->"
 COMPARE_BEGIN = "<!-- cluster-compare:begin (python -m controller.capacity_table writes this) -->"
@@ -123,7 +124,7 @@ def bench_check(shadow_bench: Path, bench: Path) -> list[str]:
     cm = systems["checkmate"]
     t = cm["mean_iteration_ms"] / 1e3
     request = PlanRequest(
-        model_params=136960,  # TinyLM's parameters (checkmate/tiny_lm.py, ModelConfig())
+        model_params=136960,  # TinyLM's parameters (experiments/tiny_lm.py, ModelConfig())
         optimizer="adamw",
         iteration_time_s=t,
         dp=settings["workers"],

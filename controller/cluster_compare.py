@@ -48,9 +48,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from checkmate.p4.program import REPO_ROOT
 from controller.capacity import PlanInfeasible, PlanRequest, plan
-from controller.capacity_inputs import DEFAULT_SHADOW_BENCH, GRAD_DTYPE_BYTES, PlanError
+from controller.capacity_inputs import DEFAULT_SHADOW_BENCH, GRAD_DTYPE_BYTES, MEASURED, PlanError
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +62,8 @@ MAX_INTERVAL = 10**9
 PEERS = ("torch-save", "checkfreq", "dcp-async")
 SYSTEMS = ("checkmate", *PEERS)
 SWITCHES = ("bmv2", "embedded", "tofino", "tofino2")
-DEFAULT_BENCH = REPO_ROOT / "results" / "bench.json"
-DEFAULT_DISK_BENCH = REPO_ROOT / "results" / "shadow_disk_bench.json"
+DEFAULT_BENCH = MEASURED / "bench.json"
+DEFAULT_DISK_BENCH = MEASURED / "shadow_disk_bench.json"
 
 
 class CompareError(ValueError):
@@ -690,7 +689,7 @@ def _state_bytes(run: Mapping[str, Any]) -> tuple[float, str]:
     if match:
         return float(match.group(1)) * 1e6, f"results/bench.json settings.model ({match.group(0)})"
     if run.get("workload") == "tinylm":
-        return 136960 * 12.0, "TinyLM's 136,960 parameters (checkmate/tiny_lm.py) x 12 bytes (fp32 + AdamW)"
+        return 136960 * 12.0, "TinyLM's 136,960 parameters (experiments/tiny_lm.py) x 12 bytes (fp32 + AdamW)"
     raise CompareError(
         f"results/bench.json: workload {run.get('workload')!r} does not state its checkpoint size"
     )

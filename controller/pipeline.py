@@ -30,6 +30,7 @@ from controller.switch_connection import PIPELINE_TIMEOUT_S, SwitchConnection
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """A P4Info and the device config bytes for one target."""

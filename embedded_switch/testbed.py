@@ -21,6 +21,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -28,8 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-
-from checkmate.p4.program import REPO_ROOT
 
 logger = logging.getLogger(__name__)
 
@@ -221,16 +220,23 @@ class SwitchProcess:
         return self.process.returncode
 
 
+def switch_program() -> list[str]:
+    """How to start ``checkmate-switch``: the console script on PATH or beside this Python, else
+    ``python -m embedded_switch.cli`` (no checkout or ``.venv`` assumed)."""
+    found = shutil.which("checkmate-switch") or shutil.which(
+        "checkmate-switch", path=str(Path(sys.executable).parent)
+    )
+    return [found] if found else [sys.executable, "-m", "embedded_switch.cli"]
+
+
 def switch_command(
     kind: str, bed: Testbed, extra: Sequence[str] = (), cpu_port: int | None = 255
 ) -> list[str]:
     """The command line that starts switch ``kind`` on the testbed's ports."""
     cpu = ["--cpu-port", str(cpu_port)] if cpu_port is not None else []
     if kind == "embedded":
-        exe = REPO_ROOT / ".venv" / "bin" / "checkmate-switch"
-        program = str(exe) if exe.exists() else shutil.which("checkmate-switch") or "checkmate-switch"
         return [
-            program,
+            *switch_program(),
             "--no-p4",
             *bed.interface_args(),
             "--grpc-server-addr",
@@ -265,7 +271,7 @@ def start_switch(
     log_path = bed.workdir / f"{kind}-switch.log"
     command = ["ip", "netns", "exec", bed.switch_ns, *switch_command(kind, bed, extra, cpu_port)]
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=bed.workdir)
     switch = SwitchProcess(kind, process, bed.grpc_address, log_path)
     deadline = time.monotonic() + timeout
     while True:

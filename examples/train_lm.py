@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hosts
 from checkmate.checkpoint.digest import optimizer_digest, parameters_digest
-from checkmate.tiny_lm import ModelConfig, TinyLM, TrainConfig, batch_for, cosine_lr, load_corpus, loss_of
+from experiments.tiny_lm import ModelConfig, TinyLM, TrainConfig, batch_for, cosine_lr, load_corpus, loss_of
 from hosts.recovery import ResumePoint, optimizer_states_by_name
 
 logger = logging.getLogger("train_lm")

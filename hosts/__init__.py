@@ -19,9 +19,9 @@ from the shadows' memory or disk, through :mod:`checkmate.checkpoint`'s state so
 :mod:`hosts.random_state` (``hosts.RandomState``: the job's generators as one
 stateful object), :mod:`hosts.protection` (bounded lag, ``hosts.UnprotectedError``),
 :mod:`hosts.metrics` (Prometheus), :mod:`hosts.faults` (seeded
-loss/duplication/reordering for tests), and two benchmarks: :mod:`hosts.benchmark`
-(ring all-reduce and DDP step vs gloo) and :mod:`hosts.auth_benchmark` (what
-authentication costs per TinyLM iteration).
+loss/duplication/reordering for tests), and a benchmark: :mod:`hosts.benchmark`
+(ring all-reduce and DDP step vs gloo); what authentication costs per TinyLM iteration
+is measured with the experiments (:mod:`experiments.bench.auth`).
 """
 
 from __future__ import annotations

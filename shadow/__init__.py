@@ -20,8 +20,10 @@ Around it: :mod:`shadow.iteration_window` (the iterations a shadow buffers ahead
 :mod:`shadow.reassembly` (datagrams into buckets), :mod:`shadow.repair` (asking workers
 for what is missing), :mod:`shadow.snapshots` (the asynchronous disk tier),
 :mod:`shadow.cluster` (cluster-wide certification), :mod:`shadow.metrics` (Prometheus),
-:mod:`shadow.cli` (``checkmate-shadow``) and :mod:`shadow.benchmark` (apply, fingerprint,
-disk and job-state costs). The client that fetches the shadows' memory (a checkpoint
-state source) is :mod:`checkmate.checkpoint.shadow_memory`: workers use it, so it lives
-below the stages. docs/shadow.md describes the behaviour.
+:mod:`shadow.cli` (``checkmate-shadow``); its benchmarks (apply, fingerprint, disk and
+job-state costs, a node's CPU per iteration) live with the experiments
+(:mod:`experiments.bench.shadow`, :mod:`experiments.bench.shadow_node`). The client that
+fetches the shadows' memory (a checkpoint state source) is
+:mod:`checkmate.checkpoint.shadow_memory`: workers use it, so it lives below the stages.
+docs/shadow.md describes the behaviour.
 """

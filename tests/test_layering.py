@@ -22,6 +22,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "topologies": frozenset({"checkmate", *STAGES}),
     "experiments": frozenset({"checkmate", *STAGES, "topologies"}),
     "examples": frozenset({"checkmate", *STAGES, "topologies", "experiments"}),
+    "p4src": frozenset(),  # the P4 program, package data (installed as checkmate.p4.p4src): no code
 }
 """Top-level package -> the project packages it may import (besides itself)."""
 

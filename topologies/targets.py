@@ -62,7 +62,7 @@ def find_binary(target: Target, search_path: str | None = None) -> str:
 def pipeline_files(target: Target) -> tuple[Path, Path | None]:
     """P4Info and (for BMv2) the compiled JSON the controller pushes; TargetError if missing."""
     if not P4INFO_PATH.is_file():
-        raise TargetError(f"the P4Info {P4INFO_PATH} is missing from the checkout")
+        raise TargetError(f"the P4Info {P4INFO_PATH} is missing (package data of checkmate.p4.p4src)")
     if target is Target.BMV2:
         if not BMV2_JSON_PATH.is_file():
             raise TargetError(f"--target bmv2 needs the compiled program {BMV2_JSON_PATH}: run `make p4`")

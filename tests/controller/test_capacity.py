@@ -58,7 +58,7 @@ def test_apply_rate_comes_from_the_benchmark_file(tmp_path: Path) -> None:
 
 
 def test_no_rate_for_the_optimizer_names_the_file(tmp_path: Path) -> None:
-    with pytest.raises(PlanError, match=r"no apply rate for Adam .*shadow.benchmark --kinds Adam"):
+    with pytest.raises(PlanError, match=r"no apply rate for Adam .*experiments.bench.shadow --kinds Adam"):
         plan(PlanRequest(1e9, "adam", 1.0, dp=8, shadow_bench=_bench(tmp_path, 1e8)))
 
 
@@ -142,7 +142,7 @@ def test_cli_json_and_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert ctl_main(argv) == 0
     text = capsys.readouterr().out
     assert f"shadows: {document['shadows']['processes']} processes" in text
-    assert "results/shadow_bench.json" in text
+    assert "controller/measured/shadow_bench.json" in text  # the packaged figures (results/ is output)
 
 
 def test_docs_table_is_up_to_date() -> None:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from checkmate.p4.program import P4INFO_PATH
 from embedded_switch.cli import parse_config
-from embedded_switch.testbed import REPO_ROOT
+from embedded_switch.testbed import switch_program
 
 
 def error_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -72,10 +71,12 @@ def test_bad_arguments_exit_2_with_a_clear_message(
 
 
 def test_console_script_exits_2_on_a_missing_interface() -> None:
-    exe = REPO_ROOT / ".venv" / "bin" / "checkmate-switch"
-    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "embedded_switch.cli"]
     result = subprocess.run(
-        [*command, "--no-p4", "-i", "1@no-such-if0"], capture_output=True, text=True, timeout=60, check=False
+        [*switch_program(), "--no-p4", "-i", "1@no-such-if0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert result.returncode == 2
     assert "no interface named 'no-such-if0'" in result.stderr

@@ -12,7 +12,7 @@ import torch
 from checkmate import checkpoint as fmt
 from checkmate.checkpoint.digest import optimizer_digest, parameters_digest
 from checkmate.checkpoint.source import SOURCE_SNAPSHOT
-from checkmate.tiny_lm import ModelConfig, TinyLM, batch_for, load_corpus, loss_of
+from experiments.tiny_lm import ModelConfig, TinyLM, batch_for, load_corpus, loss_of
 from hosts.recovery import ResumeError, load_state, optimizer_states_by_name, restore_latest, resume
 
 CONFIG = ModelConfig(context=16, width=16, heads=2, layers=1)

@@ -21,15 +21,17 @@ import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from scapy.packet import Packet
 
 from embedded_switch import native, testbed
-from embedded_switch.testbed import REPO_ROOT, SwitchProcess, Testbed
+from embedded_switch.testbed import SwitchProcess, Testbed
 from tests import switch_cases as sc
 from tests.packet.p4rt import P4RuntimeTestClient, device_config_for
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BMV2_JSON = REPO_ROOT / "build" / "v1model" / "checkmate.json"
 NATIVE = pytest.mark.skipif(not native.available(), reason=f"native path not built: {native.IMPORT_ERROR}")
 DATAPATHS = [pytest.param("native", marks=NATIVE), "python"]

@@ -1,6 +1,6 @@
 """What authentication costs per iteration of the demo model (TinyLM), and what a data MAC would.
 
-    .venv/bin/python -m hosts.auth_benchmark [--iterations 20] [--world 3] [--json results/auth_bench.json]
+    .venv/bin/python -m experiments.bench.auth [--iterations 20] [--world 3] [--json results/auth_bench.json]
 
 1. **Counts per iteration, measured.** A ``--world``-rank ring all-reduce (the real
    :class:`~hosts.ring_allreduce.RingAllReduce` over the real transport, one thread
@@ -47,8 +47,8 @@ from checkmate.auth import DatagramAuth, GradientDigests
 from checkmate.control import Commit, decode_message, encode_message, recv_message, send_message
 from checkmate.control_frame import ControlAuth, bind, process_auth
 from checkmate.tensors import tensor_payload
-from checkmate.tiny_lm import ModelConfig, TinyLM
 from checkmate.wire import CheckmateHeader, DType, MessageType
+from experiments.tiny_lm import ModelConfig, TinyLM
 from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig
 from hosts.transport import Transport, TransportConfig, pack_ranges
 

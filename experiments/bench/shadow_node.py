@@ -1,6 +1,7 @@
 """Benchmark (not a test): a shadow node's CPU per applied iteration, copies to certified state.
 
-    python -m shadow.bench_node [--workload tinylm|large-state] [--iterations 30] [--json out.json]
+    python -m experiments.bench.shadow_node [--workload tinylm|large-state] [--iterations 30]
+        [--json out.json]
 
 One :class:`~shadow.node.ShadowNode` owns every bucket of the model; a hand-driven rank 0
 sends it the job start, the bucket layout and, per iteration, the commit record (with
@@ -63,7 +64,7 @@ class Workload:
 
 def workload(name: str) -> Workload:
     """TinyLM as ``make bench`` trains it, or its large-state variant (width 768, 3 layers)."""
-    from checkmate.tiny_lm import ModelConfig, TinyLM
+    from experiments.tiny_lm import ModelConfig, TinyLM
 
     if name == "tinylm":
         config, bucket = ModelConfig(), 25 << 20

@@ -1,15 +1,15 @@
 """Benchmark (not a test): optimizer-apply throughput of a shadow, in parameters per second.
 
-    python -m shadow.benchmark [--params 4000000] [--kind Adam] [--iterations 20] [--json out.json]
-    python -m shadow.benchmark --fingerprint [--json results/fingerprint_bench.json]
-    python -m shadow.benchmark --disk [--iteration-ms 70] [--json results/shadow_disk_bench.json]
-    python -m shadow.benchmark --job-state [--json results/job_state_bench.json]
+    python -m experiments.bench.shadow [--params 4000000] [--kind Adam] [--iterations 20] [--json out.json]
+    python -m experiments.bench.shadow --fingerprint [--json results/fingerprint_bench.json]
+    python -m experiments.bench.shadow --disk [--iteration-ms 70] [--json results/shadow_disk_bench.json]
+    python -m experiments.bench.shadow --job-state [--json results/job_state_bench.json]
 
 Prints one line per optimizer and writes JSON. The end-to-end lag (commit
 arrival to applied) is in every shadow's status (``apply.last_commit_to_apply_seconds``).
 
 ``--fingerprint`` measures the divergence check (:mod:`checkmate.fingerprint`) for the
-demo model (TinyLM with AdamW, :class:`checkmate.tiny_lm.TrainConfig`'s defaults): the time to
+demo model (TinyLM with AdamW, :class:`experiments.tiny_lm.TrainConfig`'s defaults): the time to
 fingerprint every parameter and its optimizer state (what rank 0 adds to a fingerprinted
 step, and at most what a shadow adds for its share), the fingerprint's size on the
 control channel, and both against one training iteration of the same model on this
@@ -79,7 +79,7 @@ def measure(
 def measure_fingerprint(repeats: int = 50) -> dict[str, Any]:
     """Fingerprint cost vs one TinyLM training iteration (see the module docstring)."""
     from checkmate.fingerprint import fingerprint
-    from checkmate.tiny_lm import ModelConfig, TinyLM, TrainConfig, loss_of
+    from experiments.tiny_lm import ModelConfig, TinyLM, TrainConfig, loss_of
 
     config = TrainConfig()
     torch.manual_seed(config.seed)
@@ -180,9 +180,9 @@ def measure_disk(sizes: Sequence[int], repeats: int, directory: str | None = Non
 
 def demo_iteration_ms() -> float | None:
     """The demo's measured Checkmate iteration (results/bench.json), if it is there."""
-    from pathlib import Path
+    from experiments.commands import REPO
 
-    path = Path(__file__).resolve().parents[1] / "results" / "bench.json"
+    path = REPO / "results" / "bench.json"
     try:
         systems = json.loads(path.read_text())["systems"]
         return float(next(s["mean_iteration_ms"] for s in systems if s["name"] == "checkmate"))
@@ -194,7 +194,7 @@ def measure_job_state() -> dict[str, Any]:
     """Commit bytes the job state adds, against the iteration's gradient bytes (see module docstring)."""
     from checkmate.control import Commit, encode_message
     from checkmate.job_state import capture
-    from checkmate.tiny_lm import TinyLM, TrainConfig
+    from experiments.tiny_lm import TinyLM, TrainConfig
 
     class Cursor:
         def __init__(self) -> None:

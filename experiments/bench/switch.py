@@ -1,8 +1,8 @@
 """Throughput of a switch target in network namespaces (a benchmark, not a test).
 
-    sudo .venv/bin/python -m embedded_switch.benchmark            # both data paths, and BMv2 if installed
-    sudo .venv/bin/python -m embedded_switch.benchmark --target embedded --datapath native
-    sudo .venv/bin/python -m embedded_switch.benchmark --target bmv2 --json results/switch_bench_bmv2.json
+    sudo .venv/bin/python -m experiments.bench.switch            # both data paths, and BMv2 if installed
+    sudo .venv/bin/python -m experiments.bench.switch --target embedded --datapath native
+    sudo .venv/bin/python -m experiments.bench.switch --target bmv2 --json results/switch_bench_bmv2.json
 
 Targets, one after the other in one run: the embedded switch with each data path
 (``--datapath native`` and ``python``, :mod:`embedded_switch.native`), then
@@ -57,6 +57,7 @@ from checkmate import wire
 from checkmate.wire import CHECKMATE_UDP_PORT, CheckmateHeader, DType, Flags, MessageType
 from embedded_switch import native, testbed
 from embedded_switch.pipeline import ipv4_checksum
+from experiments.commands import REPO
 
 SENDER, NEXT_HOP, SHADOW = 1, 2, 3
 SWITCH_MAC, SENDER_MAC, NEXT_HOP_MAC, SHADOW_MAC = (
@@ -64,8 +65,8 @@ SWITCH_MAC, SENDER_MAC, NEXT_HOP_MAC, SHADOW_MAC = (
 )  # fmt: skip
 SENDER_IP, NEXT_HOP_IP, SHADOW_IP = "10.0.1.1", "10.0.2.1", "10.0.3.1"
 JOB_ID, JOB_SLOT, GROUP, RID, SHADOW_UDP_PORT = 7, 1, 1, 1, 50001
-RESULTS = testbed.REPO_ROOT / "results" / "switch_bench.json"
-BMV2_JSON = testbed.REPO_ROOT / "build" / "v1model" / "checkmate.json"
+RESULTS = REPO / "results" / "switch_bench.json"
+BMV2_JSON = REPO / "build" / "v1model" / "checkmate.json"
 _FRAME_VARIANTS = 64
 
 
@@ -292,14 +293,14 @@ def run_once(
     frames_path = bed.workdir / f"frames-{scenario.frame_bytes}-{int(scenario.replicate)}.bin"
     frames_path.write_bytes(b"".join(struct.pack("!I", len(f)) + f for f in make_frames(scenario)))
     command = [
-        "ip", "netns", "exec", bed.host_ns, sys.executable, "-m", "embedded_switch.benchmark",
+        "ip", "netns", "exec", bed.host_ns, sys.executable, "-m", "experiments.bench.switch",
         "--generate", bed.host_ifaces[SENDER], "--frames", str(frames_path),
         "--duration", str(duration), "--rate", str(rate),
     ]  # fmt: skip
     switch_in = bed.switch_ifaces[SENDER]
     outs = [bed.host_ifaces[NEXT_HOP], bed.host_ifaces[SHADOW]]
     base_switch, base_host = link_counters(bed.switch_ns), link_counters(bed.host_ns)  # the loss baseline
-    generator = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=testbed.REPO_ROOT)
+    generator = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO)
     assert generator.stdout is not None
     watchdog = threading.Timer(duration + 30.0, generator.kill)  # the reads below then see EOF
     watchdog.start()
@@ -477,7 +478,7 @@ def bmv2_missing() -> str | None:
     if shutil.which("simple_switch_grpc") is None:
         return "simple_switch_grpc is not on PATH"
     if not BMV2_JSON.exists():
-        return f"{BMV2_JSON.relative_to(testbed.REPO_ROOT)} does not exist (make p4)"
+        return f"{BMV2_JSON.relative_to(REPO)} does not exist (make p4)"
     return None
 
 
@@ -512,7 +513,7 @@ def ratios(results: Sequence[RunResult]) -> list[dict[str, object]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m embedded_switch.benchmark", description=__doc__.split("\n")[0]
+        prog="python -m experiments.bench.switch", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
         "--target",

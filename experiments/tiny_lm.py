@@ -1,7 +1,7 @@
 """TinyLM, the reference workload: a small byte-level transformer, its corpus and training defaults.
 
 The demo's and the benchmark's worker script (``examples/train_lm.py``), the
-stage benchmarks (``hosts.auth_benchmark``, ``shadow.benchmark``) and the tests all
+stage benchmarks (``experiments.bench.auth``, ``experiments.bench.shadow``) and the tests all
 train this model, so it sits in the shared package below every stage.
 
 The corpus is real text that every Python installation ships: the source of a
