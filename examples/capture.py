@@ -40,6 +40,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from checkmate.sockets import bind
 from checkmate.wire import CHECKMATE_UDP_PORT, HEADER_BYTES, MAX_PAYLOAD_BYTES, Flags, WireFormatError, decode
 
 RECEIVE_BUFFER_BYTES = 64 << 20
@@ -212,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sock.setsockopt(socket.SOL_SOCKET, 33, RECEIVE_BUFFER_BYTES)  # SO_RCVBUFFORCE (root)
         except OSError:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
-        sock.bind((args.bind, args.port))
+        bind(sock, (args.bind, args.port), "the capture socket")
         sock.settimeout(0.2)
         if args.ready is not None:
             args.ready.write_text(f"{sock.getsockname()[0]}:{sock.getsockname()[1]}\n")

@@ -18,6 +18,7 @@ import struct
 import sys
 import time
 
+from checkmate.sockets import bind
 from checkmate.wire import CHECKMATE_UDP_PORT, CheckmateHeader, Flags, MessageType, encode
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=0.001, help="seconds between datagrams")
     args = parser.parse_args(argv)
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("0.0.0.0", CHECKMATE_UDP_PORT))
+    bind(sock, ("0.0.0.0", CHECKMATE_UDP_PORT), "the sender's socket")
     sent = 0
     for datagram in datagrams(args.job, args.shard, args.rank, args.count, args.elements):
         sock.sendto(datagram, (args.to, CHECKMATE_UDP_PORT))
