@@ -179,8 +179,13 @@ def host_socket(bed: Testbed, port: int, buffer_bytes: int = 8 << 20) -> socket.
     """A raw socket on the host end of ``port``'s veth: sends into the switch, sees what it sends."""
     with in_namespace(bed.host_ns):
         sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)  # receives nothing until bound
+    iface = bed.host_ifaces[port]
     try:
-        sock.bind((bed.host_ifaces[port], ETH_P_ALL))
+        sock.bind((iface, ETH_P_ALL))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"testbed host socket cannot bind {iface!r}: {exc.strerror}") from None
+    try:
         sock.setsockopt(SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)
         sock.setsockopt(socket.SOL_SOCKET, 33, buffer_bytes)  # SO_RCVBUFFORCE
         sock.setsockopt(socket.SOL_SOCKET, 32, buffer_bytes)  # SO_SNDBUFFORCE
