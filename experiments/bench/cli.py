@@ -164,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Markdown file whose bench-table markers get the table",
     )
     parser.add_argument("--no-docs", action="store_true", help="do not touch the docs table")
+    parser.add_argument(
+        "--no-emulation-check",
+        action="store_true",
+        help="skip measuring the emulation's own fabric and storage bandwidths at the start of each run",
+    )
     parser.add_argument("--target", choices=["embedded", "bmv2"], default=defaults.target)
     parser.add_argument(
         "--switch-name",
@@ -279,6 +284,7 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
                     partition=cpus if placement == "partitioned" else None,
                     sweep_ks=ks,
                     syscall_iterations=args.syscalls,
+                    measure_emulation=not args.no_emulation_check,
                     global_batch=workload.per_worker_batch * args.workers,
                     model_args=workload.model_args,
                 )

@@ -203,6 +203,8 @@ class BenchConfig:
     partition: CpuPartition | None = None
     sweep_ks: tuple[int, ...] = ()
     """Checkpoint intervals swept for each of SWEEP_PEERS (run in the partitioned placement only)."""
+    measure_emulation: bool = True
+    """Measure the fabric and the peers' storage before the systems run (experiments.bench.emulation)."""
     syscall_iterations: int = 0
     """Count the workers' system calls (``strace -c -f``) over this many iterations at the end of each
     run (0: not at all); the CPU figures then stop where the window starts (strace slows the calls)."""

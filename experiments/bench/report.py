@@ -22,6 +22,7 @@ from typing import Any
 from experiments.bench import sweep
 from experiments.bench.config import GLOO, SHADOW_DISK, WORKLOADS, BenchConfig, BenchError
 from experiments.bench.cpu_time import mean_shares
+from experiments.bench.emulation import compute_from, header_line
 from experiments.bench.figures import LogFigures, frequency_targets, summarize, targets
 from experiments.bench.worker_account import difference
 from experiments.commands import REPO
@@ -127,6 +128,8 @@ class BenchResult:
     """System -> per round, where the CPU time went (:func:`experiments.bench.cpu_time.cpu_shares`)."""
     worker_account: dict[str, list[dict[str, Any] | None]] = field(default_factory=dict)
     """System -> per round, what it cost each worker (:func:`experiments.bench.worker_account.account`)."""
+    emulation: dict[str, Any] | None = None
+    """The fabric and storage measured before the systems ran (experiments.bench.emulation.measure)."""
 
     def summary(self) -> dict[str, Any]:
         known = self.config.known()
@@ -157,8 +160,12 @@ class BenchResult:
         goals = targets(entries)
         if swept:
             goals["more_often_at_equal_throughput"] = frequency_targets(swept)
+        emulation = dict(self.emulation) if self.emulation is not None else None
+        if emulation is not None:
+            emulation["compute"] = compute_from(entries)
         return {
             "systems": list(entries.values()),
+            "emulation": emulation,
             "targets": goals,
             "sweep": swept,
             "errors": self.errors,
@@ -346,6 +353,7 @@ def suite_markdown(summary: Mapping[str, Any]) -> str:
             f"**{workload}** — {settings['model']}; {settings['rounds']} round(s) x >= "
             f"{settings['iterations_per_run']} iterations per system\n\n" + placement_table(mine, workload)
         )
+        parts += [f"{run['placement']}: {header_line(run.get('emulation'))}" for run in mine]
         for run in mine:
             if run["settings"].get("sweep_k") and any(k != "checkmate" for k in run.get("sweep", {})):
                 parts.append(

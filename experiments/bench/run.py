@@ -111,6 +111,8 @@ class BenchRun:
             if pinned is not None:
                 # the supervisor, switch, host shells and shadows are started from here: they inherit it
                 partition.pin_process(0, pinned.infrastructure)
+            if self.bench.measure_emulation:
+                result.emulation = self._measure_emulation()
             self.job.prepare()
             self.job.bring_up_network()
             self.job.add_job()
@@ -132,6 +134,27 @@ class BenchRun:
             result.machine["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
             result.seconds = time.monotonic() - started
         return result
+
+    def _measure_emulation(self) -> dict[str, Any]:
+        """The fabric and the peers' storage, before any system runs (issue 27, item 1)."""
+        from experiments.bench.emulation import checkpoint_bytes, measure
+
+        self.renamer.say("measuring the emulation: the fabric through the emulated switch, the storage")
+        pinned = self.bench.partition if self.bench.placement == "partitioned" else None
+        prefix = partition.exec_prefix(pinned.workers, self.job.config.python) if pinned is not None else ()
+        try:
+            size: int | None = checkpoint_bytes(self.bench.model_args)
+        except (ImportError, ValueError, TypeError) as exc:
+            logger.warning("no checkpoint size for %s: %s", self.bench.model_args, exc)
+            size = None
+        return measure(
+            self.job.config.topology,
+            self.bench.workers,
+            self.job.work / "checkpoints",
+            size,
+            self.bench.work_dir.resolve() / "emulation",
+            prefix,
+        )
 
     def _run_system(self, system: System, round_number: int, result: BenchResult) -> LogFigures:
         job = self.job

@@ -51,8 +51,12 @@ def run_network(
     steps: int,
     timeout: float,
     work_dir: pathlib.Path | None = None,
+    prefix: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Every world size through the emulated network: rows, errors, the switch's drop counters."""
+    """Every world size through the emulated network: rows, errors, the switch's drop counters.
+
+    ``prefix``: an argv prefix for every rank (``make bench`` pins them to its worker CPUs).
+    """
     from checkmate.network import Network
     from checkmate.wire import CHECKMATE_UDP_PORT
     from experiments.bench.network import DEFAULT_WORK_DIR, BenchNetwork, HostCommandError
@@ -88,6 +92,7 @@ def run_network(
                 (folder / f"rank{rank}.spec.json").write_text(json.dumps(spec))
                 (folder / f"rank{rank}.json").unlink(missing_ok=True)
                 commands[host] = [
+                    *prefix,
                     sys.executable,
                     "-m",
                     "hosts.benchmark",

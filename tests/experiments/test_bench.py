@@ -126,6 +126,7 @@ def _result(tmp_path: Path) -> BenchResult:
         "ideal-cm-transport": [_figs(8.0)],
         "checkmate": [_figs(7.8, 1.0)],
         "checkmate-disk-1": [_figs(7.0, 1.0)],
+        "checkmate-fingerprint-8": [_figs(7.9, 1.0)],
         "host-replication": [_figs(6.5, 1.0)],
         "torch-save-1": [_figs(5.0, 0.0)],
         "torch-save-10": [_figs(10.5, 0.0)],
@@ -144,6 +145,7 @@ def test_summary_schema_ratios_and_targets(tmp_path: Path) -> None:
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     by_name = {e["name"]: e for e in summary["systems"]}
     assert set(by_name) == set(SYSTEMS)
+    assert summary["emulation"] is None  # not measured: said so, no figure made up
     required = {
         "name", "transport", "iterations_per_s", "checkpoint_every",
         "expected_repeated_iterations_per_failure", "ratio_to_ideal", "ratio_to_gloo_ideal",
