@@ -4,7 +4,8 @@
 :class:`SwitchConnection` each, opened on first use), keeps the job registry
 in a state directory, and carries out the user's commands:
 
-* :meth:`push_pipeline` and :meth:`install_forwarding`;
+* :meth:`push_pipeline` and :meth:`install_forwarding` (routes and the source check
+  derived from them, controller/route_ipv4.py);
 * :meth:`add_job`, :meth:`remove_job`, :meth:`move_shard`: each one change,
   written as one batch per switch and undone as a whole if any switch
   rejects anything, recorded in the registry only once every switch took it;
@@ -45,7 +46,8 @@ from controller.jobs import Taken, allocate, job_updates, plan_entities
 from controller.pipeline import PipelineConfig, push_pipeline
 from controller.reconcile import GROUPS, OWNED_TABLES, ReconcileReport, plan_reconcile, read_installed
 from controller.registry import JobRecord, Registry
-from controller.route_ipv4 import route_entries
+from controller.route_ipv4 import TABLES as FORWARDING_TABLES
+from controller.route_ipv4 import forwarding_entries
 from controller.switch_connection import DEFAULT_TIMEOUT_S, PIPELINE_TIMEOUT_S, SwitchConnection
 
 logger = logging.getLogger(__name__)
@@ -143,8 +145,8 @@ class Controller:
         return self.reconcile() if reconcile else None
 
     def install_forwarding(self) -> ReconcileReport:
-        """Make every switch's ``route_ipv4`` hold exactly the network's routes."""
-        return self.reconcile(scope=("route_ipv4",))
+        """Make every switch's ``route_ipv4`` and ``check_source`` hold exactly what the routes say."""
+        return self.reconcile(scope=FORWARDING_TABLES)
 
     # ---- desired state ----------------------------------------------------------------------
     def _job_plans(
@@ -194,14 +196,15 @@ class Controller:
         return changed, desired
 
     def desired_state(self, report: ReconcileReport | None = None) -> dict[str, EntityMap]:
-        """Per switch, every entity the network's routes and the registered jobs need."""
+        """Per switch, every entity the network's routes (``route_ipv4``, ``check_source``) and the
+        registered jobs need."""
         _, desired = self._desired(report)
         return desired
 
     def _desired(self, report: ReconcileReport | None) -> tuple[list[JobRecord], dict[str, EntityMap]]:
         changed, desired = self._job_plans(report)
         for switch in self.network.switches:
-            for entry in route_entries(self.network, switch):
+            for entry in forwarding_entries(self.network, switch):
                 desired[switch][entry.key] = entry
         return changed, desired
 

@@ -136,6 +136,7 @@ _INSERT_RANK = {
     "group": 0,
     "rewrite_shadow_copy": 0,
     "route_ipv4": 0,
+    "check_source": 0,
     "lookup_job": 1,
     "replicate_to_shadow": 2,
 }
@@ -145,6 +146,7 @@ _DELETE_RANK = {
     "rewrite_shadow_copy": 5,
     "group": 5,
     "route_ipv4": 5,
+    "check_source": 5,
 }
 
 

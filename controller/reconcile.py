@@ -1,8 +1,8 @@
 """Reconciliation: make each switch hold exactly what the registry and network say.
 
-The controller owns the four tables of the Checkmate program and the
+The controller owns the five tables of the Checkmate program and the
 multicast groups. :func:`read_installed` reads them back; :func:`plan_reconcile`
-diffs them against the desired state (routes from the network description,
+diffs them against the desired state (routes and source checks from the network description,
 every registered job's entities): missing entries are inserted, differing
 ones modified, stale ones (left by a crash, a removed job, or a hand edit)
 deleted. Entities are compared by P4Runtime identity, so nothing is ever
@@ -23,7 +23,7 @@ from controller.switch_connection import SwitchConnection
 
 logger = logging.getLogger(__name__)
 
-OWNED_TABLES = ("route_ipv4", "lookup_job", "replicate_to_shadow", "rewrite_shadow_copy")
+OWNED_TABLES = ("check_source", "route_ipv4", "lookup_job", "replicate_to_shadow", "rewrite_shadow_copy")
 """Every table of the Checkmate program; the controller owns all of them."""
 GROUPS = "multicast groups"
 

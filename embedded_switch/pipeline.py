@@ -29,9 +29,11 @@ Speed: the decision for a packet depends only on a few header fields, the
 ingress port and the tables. The pipeline interprets the program once per
 distinct (port, fields) key and caches the resulting decision; later packets
 with the same key only verify their IPv4 checksum and get their bytes patched.
-The cache is dropped whenever a table's entries or default action change
-(``Table.generation``), and a cached multicast decision is used only while the
-group still holds the very same replica tuple.
+The key includes the IPv4 source (``check_source`` reads it). The cache is
+dropped whenever a table's entries or default action change
+(``Table.generation``, every table the program applies), and a cached
+multicast decision is used only while the group still holds the very same
+replica tuple.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ class DropReason(enum.IntEnum):
     MALFORMED_CHECKMATE = 4
     BAD_IPV4_CHECKSUM = 5
     NO_SHADOW_DESTINATION = 6
+    SPOOFED_SOURCE = 7
+    """A Checkmate packet from a known host's address (a ``check_source`` entry) on another port."""
     # ---- the target's own reasons (no P4 counter) ----
     UNKNOWN_MULTICAST_GROUP = 16
     """The packet chose a multicast group nobody created (BMv2 drops it silently)."""
@@ -115,9 +119,11 @@ _DST = struct.Struct("!I")
 _UDP_TAIL = struct.Struct("!HHHBBBB")  # dst_port length checksum | version msg_type flags dtype
 
 # Fields the decision depends on, read in one call from offset 12 (frames >= 74 bytes only):
-# ethertype | ver_ihl (tos len id) flags_frag ttl proto (csum src) dst | (sport) dport ulen (ucsum)
+# ethertype | ver_ihl (tos len id) flags_frag ttl proto (csum) src dst | (sport) dport ulen (ucsum)
 # | version msg_type flags dtype job_id (iteration bucket rank) shard_key (reserved offset) count
-_KEY = struct.Struct("!HB5xHBB6xI2xHH2xBBBBI8xH6xI")
+# The source address is in the key because check_source decides on it (with the ingress port,
+# the cache's other key); native/_datapath.c keeps the same bytes (its key_mask).
+_KEY = struct.Struct("!HB5xHBB2xII2xHH2xBBBBI8xH6xI")
 assert _KEY.size + 12 == 70
 
 _TTL_SHIFT = 88  # the TTL byte's place in the 20-byte IPv4 header read as one big-endian integer
@@ -229,11 +235,12 @@ class Pipeline:
         self._state = state
 
     def _bind(self, state: SwitchState) -> None:
+        self._source: Table = state.table("check_source")
         self._route: Table = state.table("route_ipv4")
         self._job: Table = state.table("lookup_job")
         self._replicate: Table = state.table("replicate_to_shadow")
         self._rewrite: Table = state.table("rewrite_shadow_copy")
-        self._tables = (self._route, self._job, self._replicate, self._rewrite)
+        self._tables = (self._source, self._route, self._job, self._replicate, self._rewrite)
         self._ingress_drops: CounterArray = state.counter("ingress_drops")
         self._rejected: CounterArray = state.counter("rejected_replications")
         self._shadow_copies: CounterArray = state.counter("shadow_copies")
@@ -390,7 +397,7 @@ class Pipeline:
             return self._ingress_drop(DropReason.NOT_IPV4, port, needs_checksum=False)
         if n < _IPV4_END:
             return self._ingress_drop(DropReason.MALFORMED_PACKET, port, needs_checksum=False)
-        ver_ihl, _tos, _len, _id, flags_frag, ttl, proto, stored_csum, _src, dst = _IPV4.unpack_from(
+        ver_ihl, _tos, _len, _id, flags_frag, ttl, proto, stored_csum, src, dst = _IPV4.unpack_from(
             frame, _ETH_END
         )
         udp_valid = checkmate_valid = parser_error = False
@@ -423,6 +430,11 @@ class Pipeline:
             return None
         if ttl <= 1:
             return self._ingress_drop(DropReason.TTL_EXPIRED, port, needs_checksum=True)
+        if checkmate_valid:
+            # check_source: a known host's address must come in on that host's port.
+            action = self._source.lookup((src,)).action
+            if action.name == "expect_port" and action.params[0] != port:
+                return self._ingress_drop(DropReason.SPOOFED_SOURCE, port, needs_checksum=True)
 
         counts: list[Cell] = []
         routed = replicated = False

@@ -24,6 +24,7 @@ from embedded_switch.state import ActionCall, CounterArray, MatchFieldSpec, Swit
 logger = logging.getLogger(__name__)
 
 DEFAULT_ACTIONS: dict[str, ActionCall] = {
+    "check_source": ActionCall("source_unknown"),
     "route_ipv4": ActionCall("drop_no_route"),
     "lookup_job": ActionCall("job_unknown"),
     "replicate_to_shadow": ActionCall("reject_replication"),

@@ -1132,7 +1132,7 @@ static struct PyModuleDef datapath_module = {
 
 PyMODINIT_FUNC PyInit__datapath(void) {
     /* the fields pipeline._KEY reads, as byte ranges relative to KEY_START (12) */
-    static const int keep[][2] = {{12, 15}, {20, 24}, {30, 34}, {36, 40}, {42, 50}, {58, 60}, {66, 70}};
+    static const int keep[][2] = {{12, 15}, {20, 24}, {26, 34}, {36, 40}, {42, 50}, {58, 60}, {66, 70}};
     memset(key_mask, 0, sizeof(key_mask));
     for (size_t r = 0; r < sizeof(keep) / sizeof(keep[0]); r++)
         for (int b = keep[r][0]; b < keep[r][1]; b++) key_mask[b - KEY_START] = 0xFF;

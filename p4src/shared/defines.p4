@@ -27,6 +27,8 @@ const bit<8>  CHECKMATE_DTYPE_FP16 = 3;
 #define JOB_TABLE_SIZE 255
 #define REPLICATION_TABLE_SIZE 4096
 #define SHADOW_DESTINATION_TABLE_SIZE 1024
+/* check_source holds one entry per route_ipv4 entry (a /32 per known host). */
+#define SOURCE_TABLE_SIZE 1024
 /* Job slot 0 counts packets of job ids the controller never registered. */
 #define JOB_SLOT_COUNT 256
 #define DROP_REASON_COUNT 8
@@ -44,5 +46,7 @@ const bit<8> DROP_MALFORMED_PACKET = 3;
 const bit<8> DROP_MALFORMED_CHECKMATE = 4;
 const bit<8> DROP_BAD_IPV4_CHECKSUM = 5;
 const bit<8> DROP_NO_SHADOW_DESTINATION = 6;
+/* A Checkmate packet from a known host's address that came in on another port. */
+const bit<8> DROP_SPOOFED_SOURCE = 7;
 
 #endif

@@ -75,6 +75,8 @@ struct checkmate_metadata_t {
     bit<1>     replicated;
     job_slot_t job_slot;
     bit<1>     checksum_error;
+    bit<1>     source_known;    /* check_source matched: the source is a known host */
+    bit<9>     source_port;     /* ... which must be on this ingress port */
 }
 
 #endif

@@ -46,6 +46,8 @@ parser CheckmateIngressParser(packet_in packet,
         meta.rejected = 0;
         meta.payload_bytes = 0;
         meta.expected_bytes = 0;
+        meta.source_known = 0;
+        meta.source_port = 0;
         /* The bridged header is made valid at the end of ingress, never parsed here. */
         hdr.bridged.setInvalid();
         transition parse_headers;

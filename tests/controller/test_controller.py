@@ -68,7 +68,8 @@ def test_add_list_show_and_remove_restores_the_switch_exactly(fabric: Callable[.
     before = f.snapshot()
     record = ctl.add_job(JOB)
     assert [r.job_id for r in ctl.jobs()] == [7] and record.slot == 1
-    assert len(ctl.read_installed("s1")) == 6 + 1 + 2 + 8 + 8  # routes, slot, rewrites, groups, entries
+    # routes, source checks, slot, rewrites, groups, entries
+    assert len(ctl.read_installed("s1")) == 6 + 6 + 1 + 2 + 8 + 8
 
     # h1 -> h2 (its ring neighbour), shard 1: the packet goes on, a copy goes to sh2.
     delivered = f.send("h1", gradient("h1", "h2", f.network, shard_key=1))

@@ -43,6 +43,7 @@ def test_the_committed_file_is_the_tofino_compilers_form() -> None:
     info = load_p4info(TOFINO_P4INFO)
     assert info.pkg_info.arch == "tna"
     assert {t.preamble.name for t in info.tables} == {
+        "pipe.CheckmateIngress.check_source",
         "pipe.CheckmateIngress.route_ipv4",
         "pipe.CheckmateIngress.lookup_job",
         "pipe.CheckmateIngress.replicate_to_shadow",
@@ -60,13 +61,13 @@ def test_the_committed_file_is_the_tofino_compilers_form() -> None:
 def test_every_name_and_width_the_controller_uses_matches_v1model(
     tofino: P4InfoIndex, v1model: P4InfoIndex
 ) -> None:
-    for table in ("route_ipv4", "lookup_job", "replicate_to_shadow", "rewrite_shadow_copy"):
+    for table in ("check_source", "route_ipv4", "lookup_job", "replicate_to_shadow", "rewrite_shadow_copy"):
         assert tofino.table_id(table) != v1model.table_id(table)  # other names, other ids
         assert [(f.short_name, f.bitwidth, f.kind) for f in tofino.match_fields(table)] == [
             (f.short_name, f.bitwidth, f.kind) for f in v1model.match_fields(table)
         ]
         assert tofino.table_size(table) == v1model.table_size(table)
-    for action in ("forward", "set_job_slot", "set_multicast_group", "set_shadow_destination"):
+    for action in ("expect_port", "forward", "set_job_slot", "set_multicast_group", "set_shadow_destination"):
         assert [(p, tofino.param(action, p).bitwidth) for p in tofino.param_names(action)] == [
             (p, v1model.param(action, p).bitwidth) for p in v1model.param_names(action)
         ]

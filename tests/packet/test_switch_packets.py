@@ -99,6 +99,41 @@ def test_spoofed_tagged_packet_reaches_no_shadow(
     assert p4rt.read_counter("shadow_copies", sc.JOB_SLOT) == (0, 0)
 
 
+def source_check(address: str, port: int) -> sc.Entry:
+    """check_source: packets from ``address`` must come in on ``port`` (what the controller installs)."""
+    return sc.Entry("check_source", {"src_addr": (sc.ip(address), 32)}, "expect_port", {"port": port})
+
+
+def test_spoofed_source_is_dropped_and_counted(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
+    """A known host's address is accepted on that host's port only (issue 29: ring injection)."""
+    p4rt.insert(source_check(sc.W0_IP, sc.W0_PORT), source_check(sc.W1_IP, sc.W1_PORT))
+    tagged = sc.checkmate_packet(shard_key=sc.SHARD_SHADOW1)
+    ring = sc.checkmate_packet(flags=0, sequence=3)  # untagged ring DATA, as a worker sends it
+    ack = sc.checkmate_packet(flags=0, msg_type=2, count=0, dtype=0, payload=b"")  # a control datagram
+    # worker 0's address from the shadow ports: nothing leaves, each counted as spoofed
+    switch.send(sc.SH2_PORT, tagged, ring)
+    switch.send(sc.SH1_PORT, ack)
+    switch.expect_nothing()
+    assert p4rt.read_counter("ingress_drops", DropReason.SPOOFED_SOURCE)[0] == 3
+    assert p4rt.read_counter("shadow_copies", sc.JOB_SLOT) == (0, 0)
+    assert p4rt.read_counter("rejected_replications", sc.JOB_SLOT) == (0, 0)
+    # the same frames on worker 0's own port are forwarded (and the tagged one copied)
+    switch.send(sc.W0_PORT, tagged, ring, ack)
+    switch.expect(
+        {
+            sc.W1_PORT: [sc.primary_copy(tagged), sc.routed(ring, sc.W1_MAC), sc.routed(ack, sc.W1_MAC)],
+            sc.SH1_PORT: [sc.shadow1_copy(tagged)],
+        }
+    )
+    # a source with no entry is not checked; neither is traffic other than Checkmate's
+    stranger = sc.checkmate_packet(flags=0, sequence=4)
+    stranger[IP].src = "10.0.9.9"
+    plain = sc.udp_packet()  # worker 0's address, not a Checkmate datagram
+    switch.send(sc.SH2_PORT, stranger, plain)
+    switch.expect({sc.W1_PORT: [sc.routed(stranger, sc.W1_MAC), sc.routed(plain, sc.W1_MAC)]})
+    assert p4rt.read_counter("ingress_drops", DropReason.SPOOFED_SOURCE)[0] == 3
+
+
 def test_unknown_job_is_counted_at_slot_zero(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
     pkt = sc.checkmate_packet(job_id=sc.UNKNOWN_JOB_ID)
     switch.send(sc.W0_PORT, pkt)

@@ -267,6 +267,8 @@ def checkmate_datagram(
 class SwitchModel:
     """What the Checkmate P4 program does, from the entities the controller plans for one switch."""
 
+    sources: dict[int, int] = field(default_factory=dict)
+    """/32 source -> the ingress port its Checkmate packets must come in on (check_source)."""
     routes: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     """/32 destination -> (port, src MAC, dst MAC)."""
     jobs: dict[int, int] = field(default_factory=dict)
@@ -285,7 +287,11 @@ class SwitchModel:
                 model.groups[e.group_id] = e.replicas
                 continue
             assert isinstance(e, TableEntry)
-            if e.table == "route_ipv4":
+            if e.table == "check_source":
+                (m,) = e.match
+                assert m.prefix_len == 32, "the model knows /32 sources only"
+                model.sources[m.value] = e.param("port")
+            elif e.table == "route_ipv4":
                 (m,) = e.match
                 assert m.prefix_len == 32, "the model knows /32 routes only"
                 model.routes[m.value] = (e.param("port"), e.param("src_mac"), e.param("dst_mac"))
@@ -317,12 +323,13 @@ class SwitchModel:
             return Verdict("drop", "NOT_IPV4")
         if n < IPV4_END:
             return Verdict("drop", "MALFORMED_PACKET")
-        ver_ihl, flags_frag, ttl, proto, csum, dst = (
+        ver_ihl, flags_frag, ttl, proto, csum, src, dst = (
             data[ETH_END],
             struct.unpack_from("!H", data, ETH_END + 6)[0],
             data[ETH_END + 8],
             data[ETH_END + 9],
             struct.unpack_from("!H", data, ETH_END + 10)[0],
+            struct.unpack_from("!I", data, ETH_END + 12)[0],
             struct.unpack_from("!I", data, ETH_END + 16)[0],
         )
         checkmate = False
@@ -339,6 +346,8 @@ class SwitchModel:
             return Verdict("drop", "BAD_IPV4_CHECKSUM")
         if ttl <= 1:
             return Verdict("drop", "TTL_EXPIRED")
+        if checkmate and self.sources.get(src, port) != port:
+            return Verdict("drop", "SPOOFED_SOURCE")
         route = self.routes.get(dst)
         if route is None:
             return Verdict("drop", "NO_ROUTE")

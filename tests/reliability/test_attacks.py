@@ -1031,3 +1031,105 @@ def test_spoofed_gradient_copies_are_never_applied_without_fingerprints(
         f"torch.optim.SGD; {resyncs} requests for fresh state (before: one re-seed per forged "
         "iteration); never a forged value applied",
     )
+
+
+@pytest.mark.parametrize("datapath", ["native", "python"])
+def test_ring_data_under_a_workers_address_is_dropped_by_the_switch(
+    tmp_path: Path, reliability: Recorder, datapath: str
+) -> None:
+    """Issue 29's ring injection (84 datagrams: loss 1.9e9, the job hung), through the switch.
+
+    Workers accept ring DATA from their peer's exact address and port without a MAC, so the
+    defence is the switch's source check (``check_source``, installed by the controller from
+    the routes): a Checkmate packet from a known host's address is accepted only on the port
+    that host is on. Every other host of topologies/single.json forges worker h1's address and
+    port toward its ring successor h2 (job 7), tagged and untagged DATA and an ACK/NACK each;
+    the same datagrams from h1's own port, and the forgeries with the check removed (today's
+    main before the check), show that the count would see a datagram that got through.
+    """
+    import random
+
+    from checkmate.wire import Flags
+    from embedded_switch.native import NativePipeline
+    from embedded_switch.pipeline import DropReason
+    from tests.reliability.fuzz_frames import checkmate_datagram, frame
+    from tests.reliability.fuzz_switch import JOB_A, programmed_switch
+
+    spoofed_count = 3000
+    case = (
+        "ring DATA injected under a worker's exact source address and port (a raw socket on any other "
+        f"host of the fabric, to that worker's ring successor), through the switch ({datapath} data path)"
+    )
+    target = f"switch (embedded pipeline, {datapath} data path, programmed by the controller)"
+    compared = (
+        "per datagram: whether it reached the victim worker's port (or any port); the switch's "
+        "ingress_drops[SPOOFED_SOURCE] against the number sent; the same datagrams from the real "
+        "peer's port, and the forgeries with check_source emptied, all reach the victim"
+    )
+    reliability.begin(area="bad input", case=case, target=target, compared=compared, trials=spoofed_count)
+    rng = random.Random(29)
+    with programmed_switch(tmp_path, datapath) as sw:
+        if datapath == "native" and not isinstance(sw.pipeline, NativePipeline):
+            pytest.skip("embedded_switch.native._datapath is not built")
+        peer, victim = "h1", JOB_A.ring_next("h1")
+        liars = [h for h in sorted(sw.network.hosts) if h != peer]
+        kinds = (
+            (Flags.NONE, MessageType.DATA),
+            (Flags.LAST, MessageType.DATA),
+            (Flags.REPLICATE, MessageType.DATA),
+            (Flags.NONE, MessageType.ACK),
+            (Flags.NONE, MessageType.NACK),
+        )
+        forged: list[tuple[int, bytes]] = []
+        for i in range(spoofed_count):
+            liar = liars[i % len(liars)]
+            flags, msg = kinds[(i // len(liars)) % len(kinds)]
+            if msg is MessageType.DATA:
+                datagram = checkmate_datagram(rng, JOB_A.job_id, i % 2, flags=flags)
+            else:  # a cumulative ACK or a NACK (no payload), as the peer would send it
+                datagram = CheckmateHeader(msg, JOB_A.job_id, 0, 0, 0, 0, 0, i, DType.NONE).pack()
+            data = frame(
+                sw.host_mac(liar), sw.switch_mac(liar), sw.host_ip(peer), sw.host_ip(victim), datagram
+            )
+            forged.append((sw.host_port(liar), data))
+        victim_port = sw.host_port(victim)
+        drops = sw.state.counter("ingress_drops")
+
+        def run(frames: list[tuple[int, bytes]], port: int | None = None) -> tuple[int, int]:
+            """Frames in; (reaching the victim's port, leaving by any port)."""
+            to_victim = out = 0
+            for in_port, data in frames:
+                for out_port, _ in sw.pipeline.process(data, in_port if port is None else port):
+                    out += 1
+                    to_victim += out_port == victim_port
+            return to_victim, out
+
+        entries = len(sw.state.table("check_source"))
+        before = drops.read(DropReason.SPOOFED_SOURCE)[0]
+        reached, left = run(forged)
+        counted = drops.read(DropReason.SPOOFED_SOURCE)[0] - before
+        genuine, _ = run(forged, sw.host_port(peer))  # the same datagrams from the real peer's port
+        with sw.state.write_lock:
+            sw.state.table("check_source").clear()
+        unchecked, _ = run(forged)  # without the check: what got in before it
+        differed = reached + left + int(counted != spoofed_count)
+        comparisons = spoofed_count + 1
+        reliability.compare(comparisons, differed)
+    assert entries == len(sw.network.hosts)
+    assert genuine == spoofed_count and unchecked == spoofed_count  # the count sees what gets through
+    assert differed == 0, (reached, left, counted)
+    reliability.record(
+        area="bad input",
+        case=case,
+        target=target,
+        trials=spoofed_count,
+        compared=compared,
+        comparisons=comparisons,
+        differed=differed,
+        held=f"{reached}/{spoofed_count} forged datagrams reached the victim ({left} left by any port); "
+        f"{counted} counted in ingress_drops[SPOOFED_SOURCE], from {len(liars)} other hosts' ports "
+        f"(untagged, LAST and tagged DATA, ACK, NACK); check_source held {entries} entries, one per host, "
+        f"installed by the controller with the routes. Controls: the same datagrams from the real peer's "
+        f"port {genuine}/{spoofed_count} delivered; with check_source emptied {unchecked}/{spoofed_count} "
+        "forgeries reached the victim (what issue 29's injection did)",
+    )

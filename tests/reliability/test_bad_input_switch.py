@@ -229,8 +229,9 @@ def test_spoofed_tagged_packets_never_reach_a_shadow(tmp_path: Path, reliability
     spoofed = enrolled = leaked = 0
     why: collections.Counter[str] = collections.Counter()
     compared = (
-        "per frame: the switch's outputs against the reference model (a spoofed frame forwarded to its next "
-        "hop only, uncopied, counted as rejected at its job's slot; an enrolled one replicated)"
+        "per frame: the switch's outputs against the reference model (a known host's address on another "
+        "port dropped as SPOOFED_SOURCE; another spoofed frame forwarded to its next hop only, uncopied, "
+        "counted as rejected at its job's slot; an enrolled one replicated)"
     )
     reliability.begin(
         area="bad input",
@@ -246,7 +247,9 @@ def test_spoofed_tagged_packets_never_reach_a_shadow(tmp_path: Path, reliability
             job = rng.choice([7, 7, 8, 9, rng.randrange(1 << 32)])
             shard = rng.choice([0, 1, 2, 0xFFFF, rng.randrange(1 << 16)])
             port = rng.choice([*range(1, 7), rng.randrange(7, 512)])
-            src = rng.choice(sorted(sw.network.hosts))
+            at_port = [h for h in sorted(sw.network.hosts) if sw.host_port(h) == port]
+            # mostly the host on that port (its own address); else any host's address
+            src = at_port[0] if at_port and rng.random() < 0.75 else rng.choice(sorted(sw.network.hosts))
             dst = rng.choice(workers)
             data = frame(
                 sw.host_mac(src),
@@ -257,6 +260,11 @@ def test_spoofed_tagged_packets_never_reach_a_shadow(tmp_path: Path, reliability
             )
             verdict = t.run(data, port)
             next_hop = sw.host_port(dst)
+            if sw.host_port(src) != port:  # a known host's address on another port: check_source
+                spoofed += 1
+                leaked += not (verdict.kind == "drop" and verdict.reason == "SPOOFED_SOURCE")
+                why["source address not on its host's port"] += 1
+                continue
             if (job, port, shard, next_hop) in sw.model.replicate:
                 enrolled += 1
                 leaked += verdict.kind != "replicate"
@@ -277,7 +285,13 @@ def test_spoofed_tagged_packets_never_reach_a_shadow(tmp_path: Path, reliability
                 why["wrong next hop"] += 1
         t.check_counters()
         assert all(
-            why[k] > 50 for k in ("port not enrolled in the job", "unknown shard key", "wrong next hop")
+            why[k] > 50
+            for k in (
+                "source address not on its host's port",
+                "port not enrolled in the job",
+                "unknown shard key",
+                "wrong next hop",
+            )
         )
         assert sum(t.copies.values()) == 2 * enrolled  # each frame ran cold and cached
 
@@ -302,8 +316,10 @@ def test_spoofed_tagged_packets_never_reach_a_shadow(tmp_path: Path, reliability
         compared=compared,
         comparisons=SPOOF_CASES + len(sc.SPOOFED),
         differed=leaked,
-        held=f"{spoofed} spoofed packets ({tally(why)}) all forwarded uncopied, none reached a shadow port, "
-        f"each counted in rejected_replications at its job's slot; {enrolled} that were in fact enrolled "
+        held=f"{spoofed} spoofed packets ({tally(why)}): those with a known host's address on another port "
+        "dropped by check_source and counted as SPOOFED_SOURCE, the others forwarded uncopied and counted "
+        f"in rejected_replications at their job's slot; none reached a shadow port; {enrolled} that were "
+        "in fact enrolled "
         f"were copied once; plus the {len(sc.SPOOFED)} shared packet-test cases "
         "(tests/switch_cases.py SPOOFED, also run on BMv2 by tests/packet)",
     )
@@ -349,6 +365,10 @@ def test_drop_reasons_cover_the_model(tmp_path: Path) -> None:
             "BAD_IPV4_CHECKSUM": bytes(bad_checksum),
             "TTL_EXPIRED": to(tagged(), ttl=1),
             "NO_ROUTE": to(tagged(), dst_ip=0xC0000201),  # 192.0.2.1: in no route of the network
+            # another known host's address on h1's port (check_source)
+            "SPOOFED_SOURCE": frame(
+                sw.host_mac(src), sw.switch_mac(src), sw.host_ip("h3"), sw.host_ip(dst), tagged()
+            ),
         }
         assert set(frames) == {r.name for r in DropReason if r < 16} - {"NO_SHADOW_DESTINATION"}
         assert Tally(sw).run(good, port).kind == "replicate"  # the frames differ from a good one in one thing

@@ -1,7 +1,9 @@
 /*
  * Checkmate TNA ingress: the same tables, keys and actions as the v1model
  * program (p4src/v1model/include/ingress.p4), on Tofino's intrinsic metadata,
- * in the shape the Tofino compiler accepts:
+ * in the shape the Tofino compiler accepts (check_source, the source check of
+ * Checkmate packets, is the same table: its action records the expected port
+ * and a gateway compares it with the ingress port):
  *
  *   - Each counter is addressed from exactly one place. drop() and
  *     reject_replication() only record what happened (meta.dropped and
@@ -45,6 +47,37 @@ control CheckmateIngress(inout headers_t hdr,
         hdr.ethernet.src_addr = src_mac;
         hdr.ethernet.dst_addr = dst_mac;
         hdr.ipv4.ttl = hdr.ipv4.ttl - 1;
+    }
+
+    /*
+     * Source-address validation, as switches do it (IP source guard, strict
+     * uRPF): workers accept ring DATA from their peer's address and port
+     * without a MAC (docs/security.md), so any host on the fabric could inject
+     * gradients under a worker's address. The controller installs, for every
+     * host it routes to, the port that host's packets arrive on; a Checkmate
+     * packet from that address on any other port is dropped. A source with no
+     * entry is not checked, so an unprogrammed switch still forwards and what
+     * is protected is exactly the addresses of known hosts (job members).
+     */
+    action expect_port(PortId_t port) {
+        meta.source_known = 1;
+        meta.source_port = port;
+    }
+
+    action source_unknown() {
+        meta.source_known = 0;
+    }
+
+    table check_source {
+        key = {
+            hdr.ipv4.src_addr : lpm @name("src_addr");
+        }
+        actions = {
+            expect_port;
+            source_unknown;
+        }
+        default_action = source_unknown();
+        size = SOURCE_TABLE_SIZE;
     }
 
     action drop_no_route() {
@@ -196,22 +229,30 @@ control CheckmateIngress(inout headers_t hdr,
         } else if (hdr.ipv4.ttl <= 1) {
             drop(DROP_TTL_EXPIRED);
         } else {
-            route_ipv4.apply();
-            if (meta.routed == 1 && hdr.checkmate.isValid()
-                    && (hdr.checkmate.flags & CHECKMATE_FLAG_REPLICATE) != 0) {
-                lookup_job.apply();
-                /* The payload must be exactly element_count elements of dtype. */
-                measure_payload.apply();
-                if (hdr.checkmate.msg_type != CHECKMATE_MSG_DATA
-                        || meta.payload_bytes != meta.expected_bytes) {
-                    meta.routed = 0;
-                    drop(DROP_MALFORMED_CHECKMATE);
-                } else {
-                    replicate_to_shadow.apply();
-                }
+            /* Only Checkmate packets (DATA, ACK, NACK, repairs) are checked. */
+            if (hdr.checkmate.isValid()) {
+                check_source.apply();
             }
-            if (meta.routed == 1 && meta.replicated == 0) {
-                ig_tm_md.ucast_egress_port = meta.next_hop_port;
+            if (meta.source_known == 1 && meta.source_port != ig_intr_md.ingress_port) {
+                drop(DROP_SPOOFED_SOURCE);
+            } else {
+                route_ipv4.apply();
+                if (meta.routed == 1 && hdr.checkmate.isValid()
+                        && (hdr.checkmate.flags & CHECKMATE_FLAG_REPLICATE) != 0) {
+                    lookup_job.apply();
+                    /* The payload must be exactly element_count elements of dtype. */
+                    measure_payload.apply();
+                    if (hdr.checkmate.msg_type != CHECKMATE_MSG_DATA
+                            || meta.payload_bytes != meta.expected_bytes) {
+                        meta.routed = 0;
+                        drop(DROP_MALFORMED_CHECKMATE);
+                    } else {
+                        replicate_to_shadow.apply();
+                    }
+                }
+                if (meta.routed == 1 && meta.replicated == 0) {
+                    ig_tm_md.ucast_egress_port = meta.next_hop_port;
+                }
             }
         }
         if (meta.dropped == 1) {

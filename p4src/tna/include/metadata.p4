@@ -24,6 +24,8 @@ struct ingress_metadata_t {
     bit<1>     rejected;        /* replicate_to_shadow missed: count in rejected_replications */
     bit<16>    payload_bytes;   /* UDP length minus the UDP and Checkmate headers */
     bit<16>    expected_bytes;  /* element_count times the dtype's size; 0xFFFF if impossible */
+    bit<1>     source_known;    /* check_source matched: the source is a known host */
+    PortId_t   source_port;     /* ... which must be on this ingress port */
 }
 
 struct egress_metadata_t {
