@@ -30,6 +30,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from checkmate.address import AddressError, parse_host_port
 
@@ -150,6 +151,19 @@ def server_args(files: TlsFiles, client_auth: bool = True) -> list[str]:
     argv = ["--grpc-server-ssl", "--grpc-server-cacert", str(files.ca)]
     argv += ["--grpc-server-cert", str(files.cert), "--grpc-server-key", str(files.key)]
     return argv + (["--grpc-server-with-client-auth"] if client_auth else [])
+
+
+def channel_credentials(files: TlsFiles) -> Any:
+    """gRPC channel credentials of a P4Runtime client: trust ``files.ca``; present ``files.cert``/``key``
+    when both are given (mutual TLS). Files are checked first (TlsConfigError naming the one at fault)."""
+    import grpc
+
+    check_files(files)
+    return grpc.ssl_channel_credentials(
+        root_certificates=files.ca.read_bytes(),
+        private_key=files.key.read_bytes() if files.key is not None else None,
+        certificate_chain=files.cert.read_bytes() if files.cert is not None else None,
+    )
 
 
 # ---- a test CA ---------------------------------------------------------------------------

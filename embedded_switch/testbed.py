@@ -30,6 +30,8 @@ from pathlib import Path
 
 import grpc
 
+from checkmate.tls import PkiFiles, TlsFiles, channel_credentials, server_args
+
 logger = logging.getLogger(__name__)
 
 CLONE_NEWNET = 0x40000000
@@ -235,9 +237,15 @@ def switch_program() -> list[str]:
 
 
 def switch_command(
-    kind: str, bed: Testbed, extra: Sequence[str] = (), cpu_port: int | None = 255
+    kind: str,
+    bed: Testbed,
+    extra: Sequence[str] = (),
+    cpu_port: int | None = 255,
+    grpc_args: Sequence[str] = (),
 ) -> list[str]:
-    """The command line that starts switch ``kind`` on the testbed's ports."""
+    """The command line that starts switch ``kind`` on the testbed's ports.
+
+    ``grpc_args``: the gRPC server's options (TLS), given where the target takes them."""
     cpu = ["--cpu-port", str(cpu_port)] if cpu_port is not None else []
     if kind == "embedded":
         return [
@@ -246,6 +254,7 @@ def switch_command(
             *bed.interface_args(),
             "--grpc-server-addr",
             bed.grpc_address,
+            *grpc_args,
             "--device-id",
             "0",
             *cpu,
@@ -264,17 +273,47 @@ def switch_command(
             "--",
             "--grpc-server-addr",
             bed.grpc_address,
+            *grpc_args,
             *cpu,
         ]
     raise ValueError(f"unknown switch kind {kind!r}")
 
 
+TLS_TARGET_NAME = "localhost"
+"""The name a TLS client checks the switch's certificate for on the testbed's unix socket
+(:func:`checkmate.tls.make_test_pki` certificates name it)."""
+
+
+def channel_options(tls: TlsFiles | None) -> list[tuple[str, str]]:
+    """gRPC channel options for the testbed's socket: with TLS, the name its certificate carries."""
+    return [("grpc.ssl_target_name_override", TLS_TARGET_NAME)] if tls is not None else []
+
+
+def open_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
+    """A channel to the testbed's P4Runtime server: plaintext, or TLS with ``tls`` (mutual with a
+    client certificate)."""
+    if tls is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, channel_credentials(tls), options=channel_options(tls))
+
+
 def start_switch(
-    kind: str, bed: Testbed, extra: Sequence[str] = (), timeout: float = 20.0, cpu_port: int | None = 255
+    kind: str,
+    bed: Testbed,
+    extra: Sequence[str] = (),
+    timeout: float = 20.0,
+    cpu_port: int | None = 255,
+    tls: PkiFiles | None = None,
 ) -> SwitchProcess:
-    """Start the switch and wait until its P4Runtime socket answers."""
+    """Start the switch and wait until its P4Runtime socket answers.
+
+    ``tls``: serve P4Runtime over mutual TLS with this PKI (the switch's certificate and the CA
+    that signs clients; :func:`checkmate.tls.server_args`), as ``checkmate-net up --tls`` does;
+    the readiness check then connects with the PKI's client certificate.
+    """
     log_path = bed.workdir / f"{kind}-switch.log"
-    command = ["ip", "netns", "exec", bed.switch_ns, *switch_command(kind, bed, extra, cpu_port)]
+    grpc_args = server_args(tls.switch) if tls is not None else []
+    command = ["ip", "netns", "exec", bed.switch_ns, *switch_command(kind, bed, extra, cpu_port, grpc_args)]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=bed.workdir)
     switch = SwitchProcess(kind, process, bed.grpc_address, log_path)
@@ -284,7 +323,7 @@ def start_switch(
             raise TestbedError(f"{kind} switch exited with {process.returncode}:\n{switch.log()}")
         sock_path = Path(bed.grpc_address.removeprefix("unix:"))
         if sock_path.exists():
-            channel = grpc.insecure_channel(bed.grpc_address)
+            channel = open_channel(bed.grpc_address, tls.controller if tls is not None else None)
             try:
                 grpc.channel_ready_future(channel).result(timeout=max(0.1, deadline - time.monotonic()))
                 break

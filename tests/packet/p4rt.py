@@ -19,6 +19,8 @@ from p4.v1 import p4runtime_pb2, p4runtime_pb2_grpc
 
 from checkmate.p4.bytestrings import encode_bytestring
 from checkmate.p4.p4info import load_p4info
+from checkmate.tls import TlsFiles
+from embedded_switch.testbed import open_channel
 from tests.switch_cases import Entry, Group
 
 RPC_TIMEOUT_S = 10.0
@@ -27,10 +29,13 @@ RPC_TIMEOUT_S = 10.0
 class P4RuntimeTestClient:
     """Primary controller of device ``device_id`` at ``address`` (``unix:PATH`` or ``host:port``)."""
 
-    def __init__(self, address: str, device_id: int = 0, election_id: int = 10) -> None:
+    def __init__(
+        self, address: str, device_id: int = 0, election_id: int = 10, tls: TlsFiles | None = None
+    ) -> None:
+        """``tls``: connect over TLS with these files (a client certificate: mutual TLS)."""
         self.device_id = device_id
         self.election_id = election_id
-        self.channel = grpc.insecure_channel(address)
+        self.channel = open_channel(address, tls)
         grpc.channel_ready_future(self.channel).result(timeout=RPC_TIMEOUT_S)
         self.stub = p4runtime_pb2_grpc.P4RuntimeStub(self.channel)
         self._outbox: queue.Queue[p4runtime_pb2.StreamMessageRequest | None] = queue.Queue()
