@@ -527,8 +527,9 @@ def test_a_p4info_with_other_ids_is_accepted_and_its_ids_are_used(
     c.arbitrate(1)
     renumbered = p4info_pb2.P4Info()
     renumbered.CopyFrom(P4INFO)
-    renumbered.tables[0].preamble.id = 0x02000001
-    renumbered.tables[0].preamble.alias = "CheckmateIngress.route_ipv4"  # a compiler's longer alias
+    routes = next(t for t in renumbered.tables if t.preamble.alias == "route_ipv4")
+    routes.preamble.id = 0x02000001
+    routes.preamble.alias = "CheckmateIngress.route_ipv4"  # a compiler's longer alias
     c.set_pipeline(p4info=renumbered)
     update_ = route(0x0A000001)
     error = one_error(c, update_)
@@ -714,7 +715,7 @@ def test_exact_table_errors_and_table_size(switch: Switch, primary: Controller) 
     primary.write(padded)
     (read,) = primary.read(table_read(TABLE_IDS["lookup_job"]))
     assert read.table_entry.match[0].exact.value == b"\x01"  # read back canonical
-    size = P4INFO.tables[1].size
+    size = next(t for t in P4INFO.tables if t.preamble.alias == "lookup_job").size
     primary.write(*(job(j) for j in range(2, size)))
     errors = write_error(primary, job(size), job(size + 1))
     assert errors[0].canonical_code == code_pb2.OK
