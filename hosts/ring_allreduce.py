@@ -60,6 +60,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -126,9 +128,14 @@ class RingConfig:
         return len(self.workers)
 
 
-@dataclass(frozen=True)
-class TagRecord:
-    """One tagged (REPLICATE) first transmission."""
+class TagRecord(NamedTuple):
+    """One tagged (REPLICATE) first transmission.
+
+    A named tuple, not a dataclass: a ring records one per owned slot (~940 per 16 MiB bucket at
+    2 ranks), and a tuple of ints costs half as much to make and leaves the cyclic GC's
+    generations once it has been seen (a frozen dataclass instance stays tracked, so a tag log of
+    up to a million of them made every older-generation collection walk it).
+    """
 
     iteration: int
     bucket_id: int
@@ -260,22 +267,13 @@ class RingAllReduce:
         self._watch_deadline = float("inf")
         """The earliest deadline the watchdog sleeps towards (``inf``: no op running, until woken)."""
         peers = {r: a for r, a in enumerate(config.workers) if r != self.rank}
-        transport.add_job(
-            config.job_id,
-            self.rank,
-            peers,
-            on_data=self._on_data,
-            on_request=self._on_repair_request,
-            on_failure=self._on_peer_failure,
-            on_data_fields=self._on_fields,
-        )
         self._native = transport.native
         """The transport's compiled data path when this ring's datagrams run in it; None:
         :meth:`_on_fields` does. In host-replication mode the engine sends the copies too, to the
         addresses :meth:`_native_replica` tells it as shard keys first appear."""
         self._replicas_told: set[int] = set()
-        if self._native is not None:
-            self._native.add_ring(
+        if self._native is not None:  # before add_job: the job's first DATA must reach the ring
+            self._native.expect_ring(
                 config.job_id,
                 self.world,
                 config.future_iterations,
@@ -283,6 +281,20 @@ class RingAllReduce:
                 self._native_done,
                 host_mode=config.host_replica is not None,
             )
+        try:
+            transport.add_job(
+                config.job_id,
+                self.rank,
+                peers,
+                on_data=self._on_data,
+                on_request=self._on_repair_request,
+                on_failure=self._on_peer_failure,
+                on_data_fields=self._on_fields,
+            )
+        except BaseException:
+            if self._native is not None:
+                self._native.cancel_ring(config.job_id)
+            raise
         self._watchdog = threading.Thread(target=self._watch, name=f"cm-ring-{self.rank}", daemon=True)
         self._watchdog.start()
 
@@ -597,12 +609,23 @@ class RingAllReduce:
                 return
             record.done = True
             record.state[:] = bytes([_FINAL]) * len(record.state)
-            tags = []
             grid = record.grid
-            for slot in grid.chunk_slots[(self.rank + 1) % self.world]:  # the slots this rank owns
-                tag = TagRecord(iteration, bucket_id, grid.offsets[slot], grid.counts[slot], record.shard_key)
-                self.tag_log.append(tag)
-                tags.append(tag)
+            owned = grid.chunk_slots[(self.rank + 1) % self.world]  # the slots this rank owns (consecutive)
+            lo, hi = (owned[0], owned[-1] + 1) if owned else (0, 0)
+            # built by map, not a loop of calls: the tags are most of this callback's time
+            tags = list(
+                map(
+                    TagRecord._make,
+                    zip(
+                        repeat(iteration),
+                        repeat(bucket_id),
+                        grid.offsets[lo:hi],
+                        grid.counts[lo:hi],
+                        repeat(record.shard_key),
+                    ),
+                )
+            )
+            self.tag_log.extend(tags)
             self._count("tagged_datagrams", len(tags))
         if self.on_tag is not None:
             for tag in tags:

@@ -69,6 +69,8 @@ class NativeDatapath:
         faults = config.faults
         self._transport = weakref.ref(transport)
         self._done: dict[int, OpDoneHandler] = {}
+        self._rings: dict[int, tuple[int, int, int, bool]] = {}
+        """Rings announced by :meth:`expect_ring` for jobs not yet added (job -> ring_add's arguments)."""
         self._errors: dict[tuple[Addr, int], PeerTimeoutError] = {}
         self._stopped = False
         self.engine = module.Engine(
@@ -107,11 +109,38 @@ class NativeDatapath:
 
     # ---- jobs and rings ---------------------------------------------------------------
     def add_job(self, job_id: int, rank: int, peers: Mapping[int, Addr], key: bytes) -> None:
-        self.engine.add_job(job_id, rank, [(r, a) for r, a in peers.items()], key)
+        """Register ``job_id`` with the engine, with its ring if :meth:`expect_ring` announced one."""
+        ring = self._rings.pop(job_id, None)
+        self.engine.add_job(job_id, rank, [(r, a) for r, a in peers.items()], key, ring)
 
     def remove_job(self, job_id: int) -> None:
         self._done.pop(job_id, None)
+        self._rings.pop(job_id, None)
         self.engine.remove_job(job_id)
+
+    def expect_ring(
+        self,
+        job_id: int,
+        world: int,
+        future_iterations: int,
+        max_stash_bytes: int,
+        on_done: OpDoneHandler,
+        host_mode: bool = False,
+    ) -> None:
+        """:meth:`add_ring` for a job that ``Transport.add_job`` will add next (call it first).
+
+        The ring is set up in the same engine call that adds the job, so no DATA of the job is
+        ever accepted without it: with :meth:`add_ring` after ``add_job``, a peer that started
+        sending while this rank was still building its ring had its first datagrams acknowledged
+        and handed to Python, lost to the ring (the op then timed out with those slots missing).
+        :meth:`cancel_ring` forgets an announcement that was not used.
+        """
+        self._done[job_id] = on_done
+        self._rings[job_id] = (world, future_iterations, max_stash_bytes, host_mode)
+
+    def cancel_ring(self, job_id: int) -> None:
+        """Forget :meth:`expect_ring`'s announcement (``Transport.add_job`` failed); no engine call."""
+        self._rings.pop(job_id, None)
 
     def add_ring(
         self,

@@ -1718,13 +1718,44 @@ static void free_job(Job *j, Engine *e) {
     free(j);
 }
 
+/* Make ``j``'s DATA run in the engine's ring; 0, or -1 with a Python exception set (the GIL is
+ * held; the mutex may be). */
+static int ring_setup(Job *j, int world, unsigned int future, unsigned long long max_stash, int host_mode) {
+    if (world < 2 || j->rank < 0 || j->rank >= world) {
+        PyErr_Format(PyExc_KeyError, "job %u: rank %d is not in a ring of %d", j->id, j->rank, world);
+        return -1;
+    }
+    const struct sockaddr_in *next = job_peer_addr(j, (j->rank + 1) % world);
+    if (next == NULL) {
+        PyErr_Format(PyExc_KeyError, "job %u has no address for rank %d", j->id, (j->rank + 1) % world);
+        return -1;
+    }
+    j->ring = 1;
+    j->world = world;
+    j->prev_rank = (j->rank + world - 1) % world;
+    j->next_addr = *next;
+    j->future_iterations = future;
+    j->max_stash_bytes = max_stash;
+    j->host_mode = host_mode;
+    return 0;
+}
+
 static PyObject *Engine_add_job(Engine *e, PyObject *args) {
     unsigned int job_id;
     int rank;
     PyObject *peers;
     const char *key;
     Py_ssize_t keylen;
-    if (!PyArg_ParseTuple(args, "IiOy#", &job_id, &rank, &peers, &key, &keylen)) return NULL;
+    PyObject *ring = Py_None;
+    if (!PyArg_ParseTuple(args, "IiOy#|O", &job_id, &rank, &peers, &key, &keylen, &ring)) return NULL;
+    /* ring: None, or (world, future_iterations, max_stash_bytes, host_mode), set up before the job
+     * is visible to the engine's thread: a job that got its ring only afterwards (ring_add) would
+     * have its first DATA, accepted and acknowledged, handed to Python instead of the ring, and
+     * lost to it (a peer that starts sending while this rank is still building its ring). */
+    int rworld = 0, rhost = 0;
+    unsigned int rfuture = 0;
+    unsigned long long rstash = 0;
+    if (ring != Py_None && !PyArg_ParseTuple(ring, "iIKp", &rworld, &rfuture, &rstash, &rhost)) return NULL;
     if (keylen != 32) {
         PyErr_SetString(PyExc_ValueError, "the job key must be 32 bytes");
         return NULL;
@@ -1766,6 +1797,10 @@ static PyObject *Engine_add_job(Engine *e, PyObject *args) {
     memcpy(j->key, key, 32);
     j->latest_iteration = -1;
     j->released_through = -1;
+    if (ring != Py_None && ring_setup(j, rworld, rfuture, rstash, rhost) < 0) {
+        free_job(j, e); /* no ops or stash yet: nothing reaches the engine's lists */
+        return NULL;
+    }
     lock_from_python(e);
     Job **arr = realloc(e->jobs, (size_t)(e->njobs + 1) * sizeof *arr);
     if (arr == NULL) {
@@ -1834,23 +1869,8 @@ static PyObject *Engine_ring_add(Engine *e, PyObject *args) {
     PyObject *result = NULL;
     lock_from_python(e);
     Job *j = find_job(e, job_id);
-    if (j == NULL || world < 2 || j->rank < 0 || j->rank >= world) {
-        PyErr_Format(PyExc_KeyError, "job %u is not registered or the ring is invalid", job_id);
-    } else {
-        const struct sockaddr_in *next = job_peer_addr(j, (j->rank + 1) % world);
-        if (next == NULL) {
-            PyErr_Format(PyExc_KeyError, "job %u has no address for rank %d", job_id, (j->rank + 1) % world);
-        } else {
-            j->ring = 1;
-            j->world = world;
-            j->prev_rank = (j->rank + world - 1) % world;
-            j->next_addr = *next;
-            j->future_iterations = future;
-            j->max_stash_bytes = max_stash;
-            j->host_mode = host_mode;
-            result = Py_None;
-        }
-    }
+    if (j == NULL) PyErr_Format(PyExc_KeyError, "job %u is not registered", job_id);
+    else if (ring_setup(j, world, future, max_stash, host_mode) == 0) result = Py_None;
     pthread_mutex_unlock(&e->mu);
     Py_XINCREF(result);
     return result;
@@ -2366,7 +2386,8 @@ static PyMethodDef Engine_methods[] = {
     {"start", (PyCFunction)Engine_start, METH_NOARGS, "Start the engine's thread."},
     {"stop", (PyCFunction)Engine_stop, METH_NOARGS, "Stop and join the engine's thread."},
     {"forget", (PyCFunction)Engine_forget, METH_NOARGS, "In a forked child: drop the parent's thread."},
-    {"add_job", (PyCFunction)Engine_add_job, METH_VARARGS, "add_job(job, rank, [(rank, (ip, port))], key32)"},
+    {"add_job", (PyCFunction)Engine_add_job, METH_VARARGS,
+     "add_job(job, rank, [(rank, (ip, port))], key32, ring=None | (world, future, max_stash, host_mode))"},
     {"remove_job", (PyCFunction)Engine_remove_job, METH_VARARGS, "remove_job(job)"},
     {"ring_add", (PyCFunction)Engine_ring_add, METH_VARARGS,
      "ring_add(job, world, future_iterations, max_stash_bytes, host_mode=False): the job's DATA is "
