@@ -409,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     datapaths = DATAPATHS if args.datapath == "both" else (args.datapath,)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.rank_spec is not None:  # the secret comes from the launching benchmark's environment
-        os.environ.setdefault("CHECKMATE_JOB_SECRET", secrets.token_hex(32))
+        if not any(os.environ.get(v) for v in ("CHECKMATE_JOB_SECRET", "CHECKMATE_JOB_SECRET_FILE")):
+            os.environ["CHECKMATE_JOB_SECRET"] = secrets.token_hex(32)  # a lone rank: its own
         return rank_from_spec(args.rank_spec)
     document = start_document("loopback", args)
     document["datapaths"] = list(datapaths)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -104,6 +105,13 @@ def fabric_rate(
     """
     from experiments.bench.transport import run_network
 
+    # The ranks' transports authenticate their control datagrams: they share a fresh secret, in a
+    # file of the run (never on a command line), named by the environment of each rank alone.
+    work_dir.mkdir(parents=True, exist_ok=True)
+    secret = work_dir / "fabric.secret"
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_hex(32) + "\n")
     found = run_network(
         topology,
         [workers],
@@ -112,7 +120,7 @@ def fabric_rate(
         steps=0,
         timeout=timeout,
         work_dir=work_dir,
-        prefix=prefix,
+        prefix=("env", f"CHECKMATE_JOB_SECRET_FILE={secret}", *prefix),
     )
     row = found["rows"][0] if found["rows"] else None
     return {
