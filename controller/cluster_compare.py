@@ -681,6 +681,7 @@ class MachineCheck:
     write_rate_mb_s: float
     write_s: float
     rows: tuple[MachineRow, ...]
+    write_rate_source: str = "results/shadow_disk_bench.json, the nearest size, measured"
 
 
 def _state_bytes(run: Mapping[str, Any]) -> tuple[float, str]:
@@ -704,19 +705,36 @@ def _write_rate(disk_bench: Mapping[str, Any], state_bytes: float) -> float:
     return float(best["bytes_written"]) / float(best["seconds_per_write"])
 
 
+def _run_write_rate(run: Mapping[str, Any], state_bytes: float) -> float | None:
+    """Bytes/s the peers' storage took in the run's own emulation check (None: not measured there).
+
+    ``make bench`` writes the workload's checkpoint size into the peers' checkpoint directory
+    before the systems run (experiments.bench.emulation); buffered, as ``torch.save`` writes.
+    """
+    storage = (run.get("emulation") or {}).get("storage") or {}
+    rate = storage.get("buffered_MBps")
+    if not isinstance(rate, (int, float)) or rate <= 0 or not storage.get("bytes"):
+        return None
+    if abs(math.log(float(storage["bytes"]) / state_bytes)) > math.log(2):
+        return None  # measured at another size than this checkpoint's
+    return float(rate) * 1e6
+
+
 def machine_check(bench: Path = DEFAULT_BENCH, disk_bench: Path = DEFAULT_DISK_BENCH) -> list[MachineCheck]:
     """The model fed this machine's measured figures, next to make bench's measured ratios.
 
     Per workload (partitioned runs): the iteration time is ``ideal-gloo``'s, the write rate
-    the shadow disk benchmark's at the nearest size, one writer (rank 0 saves everything),
-    the snapshot a copy in host memory (assumed 5 GB/s). Each peer's predicted ratio to its
-    ideal is ``1 / (1 + overhead(k))``; Checkmate's is ``1 / (1 + 0)``.
+    the one the run measured into the peers' own checkpoint directory at the checkpoint's
+    size (bench.json ``emulation.storage``), else the shadow disk benchmark's at the nearest
+    size; one writer (rank 0 saves everything), the snapshot a copy in host memory (assumed
+    5 GB/s). Each peer's predicted ratio to its ideal is ``1 / (1 + overhead(k))``;
+    Checkmate's is ``1 / (1 + 0)``.
     """
     try:
         document = json.loads(bench.read_text())
-        disk = json.loads(disk_bench.read_text())
     except (OSError, ValueError) as exc:
         raise CompareError(f"cannot read the measured results: {exc}") from None
+    disk: Mapping[str, Any] | None = None
     checks = []
     for run in document.get("runs", []):
         if run.get("placement") != "partitioned":
@@ -726,7 +744,16 @@ def machine_check(bench: Path = DEFAULT_BENCH, disk_bench: Path = DEFAULT_DISK_B
             continue
         T = systems["ideal-gloo"]["mean_iteration_ms"] / 1e3
         state, state_source = _state_bytes(run)
-        rate = _write_rate(disk, state)
+        rate = _run_write_rate(run, state)
+        rate_source = "bench.json emulation.storage: this run's peers' directory, buffered, measured"
+        if rate is None:
+            if disk is None:
+                try:
+                    disk = json.loads(disk_bench.read_text())
+                except (OSError, ValueError) as exc:
+                    raise CompareError(f"cannot read the measured results: {exc}") from None
+            rate = _write_rate(disk, state)
+            rate_source = MachineCheck.write_rate_source
         write_s = state / rate
         snapshot_s = state / 5e9
         rows = []
@@ -749,7 +776,9 @@ def machine_check(bench: Path = DEFAULT_BENCH, disk_bench: Path = DEFAULT_DISK_B
                 MachineRow(run["workload"], name, model_system, int(k), predicted, float(s["ratio_to_ideal"]))
             )
         checks.append(
-            MachineCheck(run["workload"], T * 1e3, state, state_source, rate / 1e6, write_s, tuple(rows))
+            MachineCheck(
+                run["workload"], T * 1e3, state, state_source, rate / 1e6, write_s, tuple(rows), rate_source
+            )
         )
     return checks
 
@@ -950,8 +979,7 @@ def machine_markdown(checks: Iterable[MachineCheck]) -> list[str]:
         rows += [
             f"**{check.workload}** (partitioned): iteration {check.iteration_ms:,.1f} ms "
             f"(`ideal-gloo`, measured); state {check.state_bytes / 1e6:,.1f} MB ({check.state_source}); "
-            f"write {check.write_rate_mb_s:,.0f} MB/s (results/shadow_disk_bench.json, the nearest size, "
-            "measured) = "
+            f"write {check.write_rate_mb_s:,.0f} MB/s ({check.write_rate_source}) = "
             f"{_duration(check.write_s)}; snapshot at 5 GB/s (assumed); one writer (rank 0 saves everything)",
             "",
             "| system | modelled as | every k | predicted ratio to its ideal | measured (results/bench.json) "

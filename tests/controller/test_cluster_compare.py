@@ -231,6 +231,28 @@ def test_the_machine_check_predicts_from_the_measured_figures(tmp_path: Path) ->
         machine_check(tmp_path / "missing.json", disk)
 
 
+def test_the_machine_check_takes_the_runs_own_storage_measurement(tmp_path: Path) -> None:
+    """bench.json's emulation.storage (the peers' directory, checkpoint size) before the disk bench."""
+    bench, disk = _bench_files(tmp_path, 0.5)
+    document = json.loads(bench.read_text())
+    run = document["runs"][0]
+    run["emulation"] = {"storage": {"bytes": 100_000_000, "buffered_MBps": 400.0, "durable_MBps": 90.0}}
+    bench.write_text(json.dumps(document))
+    disk.unlink()  # not needed: the run measured its own storage
+    (check,) = machine_check(bench, disk)
+    assert check.write_rate_mb_s == pytest.approx(400.0) and check.write_s == pytest.approx(0.25)
+    assert "bench.json emulation.storage" in check.write_rate_source
+    assert "write 400 MB/s (bench.json emulation.storage" in "\n".join(machine_markdown([check]))
+    # measured at another size (more than 2x off): the disk bench's nearest size instead
+    run["emulation"]["storage"]["bytes"] = 1_000_000
+    bench.write_text(json.dumps(document))
+    with pytest.raises(CompareError, match="cannot read the measured results"):
+        machine_check(bench, disk)
+    disk.write_text(json.dumps({"rows": [{"bytes_written": 10_000_000, "seconds_per_write": 0.1}]}))
+    (check,) = machine_check(bench, disk)
+    assert check.write_rate_mb_s == pytest.approx(100.0) and "shadow_disk_bench" in check.write_rate_source
+
+
 def test_docs_comparison_is_up_to_date(tmp_path: Path) -> None:
     doc = capacity_table.DOC.read_text()
     block = capacity_table.render_compare()
