@@ -57,11 +57,8 @@ import logging
 import struct
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -69,6 +66,7 @@ import torch
 from checkmate.auth import DATAGRAM_TAG_BYTES
 from checkmate.tensors import payload_tensor, tensor_payload, wire_dtype
 from checkmate.wire import MAX_PAYLOAD_BYTES, CheckmateHeader, DType, Flags, MessageType, pack_data_header
+from hosts.tag_log import TagLog, TagRecord
 from hosts.transport import Addr, PeerTimeoutError, Transport
 
 logger = logging.getLogger(__name__)
@@ -126,22 +124,6 @@ class RingConfig:
     @property
     def world_size(self) -> int:
         return len(self.workers)
-
-
-class TagRecord(NamedTuple):
-    """One tagged (REPLICATE) first transmission.
-
-    A named tuple, not a frozen dataclass: a ring records one per owned slot (~940 per 16 MiB
-    bucket at 2 ranks) on the engine's thread, and a named tuple costs half as much to make (no
-    ``object.__setattr__`` per field). Like the dataclass it stays tracked by the cyclic GC (only
-    exact tuples are untracked), so the tag log still adds to every full collection.
-    """
-
-    iteration: int
-    bucket_id: int
-    element_offset: int
-    element_count: int
-    shard_key: int
 
 
 @dataclass(frozen=True)
@@ -258,7 +240,8 @@ class RingAllReduce:
         self._released_through = -1
         self._failed: CollectiveError | PeerTimeoutError | None = None
         self._counters: dict[str, int] = {}
-        self.tag_log: deque[TagRecord] = deque(maxlen=tag_log_size)
+        self.tag_log = TagLog(tag_log_size)
+        """Every tag this ring sent, oldest first (the last ``tag_log_size``)."""
         self.on_tag: Callable[[TagRecord], None] | None = None
         self._stop = threading.Event()
         self._spare: list[torch.Tensor] = []
@@ -613,23 +596,13 @@ class RingAllReduce:
             owned = grid.chunk_slots[(self.rank + 1) % self.world]  # the slots this rank owns (consecutive)
             lo, hi = (owned[0], owned[-1] + 1) if owned else (0, 0)
             # built by map, not a loop of calls: the tags are most of this callback's time
-            tags = list(
-                map(
-                    TagRecord._make,
-                    zip(
-                        repeat(iteration),
-                        repeat(bucket_id),
-                        grid.offsets[lo:hi],
-                        grid.counts[lo:hi],
-                        repeat(record.shard_key),
-                    ),
-                )
-            )
-            self.tag_log.extend(tags)
-            self._count("tagged_datagrams", len(tags))
+            # one block per op, no object per tag: the log's records are made when it is read
+            offsets, counts = grid.offsets[lo:hi], grid.counts[lo:hi]
+            tagged = self.tag_log.add_block(iteration, bucket_id, record.shard_key, offsets, counts)
+            self._count("tagged_datagrams", tagged)
         if self.on_tag is not None:
-            for tag in tags:
-                self.on_tag(tag)
+            for offset, count in zip(offsets, counts, strict=True):
+                self.on_tag(TagRecord(iteration, bucket_id, offset, count, record.shard_key))
         self._complete([record])
 
     def _slot_states(self, record: _Op) -> bytes | bytearray:
