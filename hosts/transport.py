@@ -314,8 +314,10 @@ class Transport(Receiver):
         secret_bytes = secret if secret is not None else secret_from_env()
         auth = DatagramAuth(secret_bytes, job_id)
         resolved = {int(r): resolve(a) for r, a in peers.items()}
-        if self._native is not None:
-            self._native.add_job(job_id, rank, resolved, derive_key(secret_bytes, "transport", job_id))
+        # Python's table first, then the engine's: once the engine knows the job it accepts and
+        # acknowledges the job's DATA and hands it up, and a datagram handed up for a job not yet
+        # in this table would be lost after its ACK (until then the engine drops it unacknowledged,
+        # and the sender retransmits).
         with self._lock:
             self._jobs[job_id] = Job(
                 job_id=job_id,
@@ -328,6 +330,13 @@ class Transport(Receiver):
                 auth=auth,
                 on_data_fields=on_data_fields,
             )
+        if self._native is not None:
+            try:
+                self._native.add_job(job_id, rank, resolved, derive_key(secret_bytes, "transport", job_id))
+            except BaseException:
+                with self._lock:
+                    self._jobs.pop(job_id, None)
+                raise
 
     def remove_job(self, job_id: int) -> None:
         if self._native is not None:

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from checkmate.tensors import tensor_payload
+from checkmate.wire import CheckmateHeader, DType, MessageType
 from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig
 from hosts.transport import Transport, TransportConfig
 from tests.hosts.datapaths import NATIVE_BUILT
@@ -60,5 +62,44 @@ def test_datagrams_that_arrive_while_the_ring_is_built_reach_it() -> None:
     finally:
         for ring in rings:
             ring.close()
+        t0.close()
+        t1.close()
+
+
+def test_a_plain_jobs_datagrams_that_arrive_while_it_is_added_are_delivered() -> None:
+    """The same window for a job without a ring: the engine knew the job before Python's table did.
+
+    A DATA datagram the engine accepted in between was acknowledged, handed up and dropped for an
+    unknown job: the sender never sent it again. Python's table is now filled first.
+    """
+    config = {"peer_timeout": 10.0, "datapath": "native", "initial_rto": 0.05, "min_rto": 0.05}
+    t0 = Transport(TransportConfig(bind=("127.0.0.62", 0), **config))  # type: ignore[arg-type]
+    t1 = Transport(TransportConfig(bind=("127.0.0.63", 0), **config))  # type: ignore[arg-type]
+    received: list[bytes] = []
+    try:
+        peers = {0: t0.address, 1: t1.address}
+        t0.add_job(JOB + 1, 0, peers, on_data=lambda header, payload, addr: None)
+        payload = torch.arange(64, dtype=torch.float32)
+        header = CheckmateHeader(MessageType.DATA, JOB + 1, 0, 0, 0, 0, 64, 0, DType.FP32)
+        t0.send(t1.address, header, tensor_payload(payload))  # dropped by t1 (unknown job), then resent
+
+        native1 = t1.native
+        assert native1 is not None
+        engine_add_job = native1.add_job
+
+        def add_job_then_wait(*args: Any) -> None:
+            engine_add_job(*args)
+            deadline = time.monotonic() + 5.0
+            while t1.stats().get("data_received", 0) == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+        native1.add_job = add_job_then_wait  # type: ignore[method-assign]
+        t1.add_job(JOB + 1, 1, peers, on_data=lambda header, data, addr: received.append(bytes(data)))
+        assert t1.stats().get("data_received", 0) > 0  # it arrived inside the window
+        deadline = time.monotonic() + 5.0
+        while not received and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert received == [bytes(tensor_payload(payload))]
+    finally:
         t0.close()
         t1.close()
