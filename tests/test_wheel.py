@@ -12,10 +12,10 @@ measurements. The wheel carries no ``examples`` or ``experiments`` package.
 from __future__ import annotations
 
 import os
-import select
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,17 +136,18 @@ def test_the_switch_preloads_the_packaged_p4info(installed: Path, tmp_path: Path
     )
     assert process.stderr is not None
     lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stderr or ()), daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any("pipeline /" in line for line in lines):
-            if process.poll() is not None:
-                lines += process.stderr.readlines()
+        while time.monotonic() < deadline and process.poll() is None:
+            if any("pipeline /" in line for line in list(lines)):
                 break
-            if select.select([process.stderr], [], [], 1.0)[0]:
-                lines.append(process.stderr.readline())
+            time.sleep(0.1)
     finally:
         process.terminate()
         process.wait(30)
+        reader.join(30)
     started = [line for line in lines if "pipeline /" in line]
     assert started, "".join(lines)
     p4info = Path(started[0].rsplit("pipeline ", 1)[1].strip())
