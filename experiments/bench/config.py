@@ -135,7 +135,7 @@ class Workload:
 WORKLOADS = {
     w.name: w
     for w in (
-        Workload("tinylm", "TinyLM (checkmate/tiny_lm.py: width 64, 2 layers, ~0.1M parameters), "
+        Workload("tinylm", "TinyLM (experiments/tiny_lm.py: width 64, 2 layers, ~0.1M parameters), "
                  "16 samples of 64 bytes per worker, AdamW", (), 16, 150),
         Workload("large-state", "TinyLM widened to width 768, 3 layers, 12 heads (~21.7M parameters, "
                  "~260 MB of parameters + AdamW state), 1 sample of 32 bytes per worker, 8 MB buckets",
