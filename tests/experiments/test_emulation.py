@@ -46,7 +46,10 @@ def test_what_could_not_be_measured_is_said_not_filled_in(tmp_path: Path) -> Non
     assert "fabric" not in found and "storage" not in found
     assert set(found["errors"]) == {"fabric", "storage"}
     line = header_line(found)
-    assert "fabric not measured" in line and "storage not measured: the workload states no checkpoint size" in line
+    assert (
+        "fabric not measured" in line
+        and "storage not measured: the workload states no checkpoint size" in line
+    )
     assert header_line(None) == "The emulation's bandwidths were not measured in this run."
     measured = {
         "fabric": {"world_size": 3, "mib": 8, "gloo_busbw_MBps": 50.0, "checkmate_busbw_MBps": 48.25},
