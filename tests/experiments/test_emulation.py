@@ -1,4 +1,4 @@
-"""The emulation's own bandwidths (experiments.bench.emulation): measured figures, or the reason they are not."""
+"""The emulation's own bandwidths (experiments.bench.emulation): measured, or why they are not."""
 
 from __future__ import annotations
 
