@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import socket
 
 import pytest
@@ -99,10 +100,14 @@ def test_create_server_error_names_role_and_address() -> None:
 def test_checkmate_shadow_names_the_address_in_use(capsys: pytest.CaptureFixture[str]) -> None:
     from shadow.cli import main as shadow_main
 
-    with create_server(("127.0.0.1", 0), "another process") as taken:
-        port = taken.getsockname()[1]
-        argv = ["run", "--name", "sh1", "--control", f"127.0.0.1:{port}", "--data", "127.0.0.1:0"]
-        code = shadow_main(argv)
+    umask = os.umask(0o022)  # checkmate-shadow run sets the process's umask to 0077: put it back after
+    try:
+        with create_server(("127.0.0.1", 0), "another process") as taken:
+            port = taken.getsockname()[1]
+            argv = ["run", "--name", "sh1", "--control", f"127.0.0.1:{port}", "--data", "127.0.0.1:0"]
+            code = shadow_main(argv)
+    finally:
+        os.umask(umask)
     err = capsys.readouterr().err
     assert code == 1
     assert f"shadow sh1's control socket cannot bind TCP 127.0.0.1:{port}" in err, err

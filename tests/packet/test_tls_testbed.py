@@ -52,23 +52,28 @@ def tls_switch(request: pytest.FixtureRequest, pki: PkiFiles) -> Iterator[Rig]:
 
 
 def _refused(address: str, tls: TlsFiles | None) -> bool:
-    """Whether a client with ``tls`` (None: plaintext) fails to open a P4Runtime session."""
+    """Whether a client with ``tls`` (None: plaintext) fails to open a P4Runtime session.
+
+    The channel is closed on every path: an open one keeps reconnecting on gRPC's threads, and a
+    later test that forks this process (torch.multiprocessing) then aborts in gRPC's fork check.
+    """
+    from p4.v1 import p4runtime_pb2, p4runtime_pb2_grpc
+
     channel = testbed.open_channel(address, tls)
     try:
-        grpc.channel_ready_future(channel).result(timeout=3.0)
-    except grpc.FutureTimeoutError:
-        return True
-    try:  # connected at the TCP/TLS layer: an RPC is what mutual TLS refuses
-        from p4.v1 import p4runtime_pb2, p4runtime_pb2_grpc
-
-        p4runtime_pb2_grpc.P4RuntimeStub(channel).Capabilities(
-            p4runtime_pb2.CapabilitiesRequest(), timeout=RPC_TIMEOUT_S
-        )
-    except grpc.RpcError:
-        return True
+        try:
+            grpc.channel_ready_future(channel).result(timeout=3.0)
+        except grpc.FutureTimeoutError:
+            return True
+        try:  # connected at the TCP/TLS layer: an RPC is what mutual TLS refuses
+            p4runtime_pb2_grpc.P4RuntimeStub(channel).Capabilities(
+                p4runtime_pb2.CapabilitiesRequest(), timeout=RPC_TIMEOUT_S
+            )
+        except grpc.RpcError:
+            return True
+        return False
     finally:
         channel.close()
-    return False
 
 
 def test_a_client_with_the_ca_signed_certificate_programs_the_switch_over_tls(
