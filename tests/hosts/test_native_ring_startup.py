@@ -27,6 +27,25 @@ pytestmark = pytest.mark.skipif(not NATIVE_BUILT, reason="hosts.native._datapath
 JOB = 93
 
 
+def _hold_engine_add_job_until_data(transport: Transport) -> None:
+    """Make ``transport``'s engine, once it has learned a job, wait until a DATA datagram was accepted.
+
+    That holds the caller inside the window between the engine's registration and the rest of
+    the job's setup until the peer's (retransmitted) datagram has arrived.
+    """
+    native = transport.native
+    assert native is not None
+    engine_add_job = native.add_job
+
+    def add_job_then_wait(*args: Any) -> None:
+        engine_add_job(*args)
+        deadline = time.monotonic() + 5.0
+        while transport.stats().get("data_received", 0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    native.add_job = add_job_then_wait  # type: ignore[method-assign,assignment]
+
+
 def test_datagrams_that_arrive_while_the_ring_is_built_reach_it() -> None:
     # initial_rto small: rank 0's first datagram, dropped by rank 1 as an unknown job, comes back soon
     config = {"peer_timeout": 10.0, "datapath": "native", "initial_rto": 0.05, "min_rto": 0.05}
@@ -42,17 +61,7 @@ def test_datagrams_that_arrive_while_the_ring_is_built_reach_it() -> None:
 
         # Hold rank 1 between the engine learning of the job and the rest of the ring's setup
         # until rank 0's (retransmitted) datagram has been accepted: the window of the old race.
-        native1 = t1.native
-        assert native1 is not None
-        engine_add_job = native1.add_job
-
-        def add_job_then_wait(*args: Any) -> None:
-            engine_add_job(*args)
-            deadline = time.monotonic() + 5.0
-            while t1.stats().get("data_received", 0) == 0 and time.monotonic() < deadline:
-                time.sleep(0.005)
-
-        native1.add_job = add_job_then_wait  # type: ignore[method-assign]
+        _hold_engine_add_job_until_data(t1)
         rings.append(RingAllReduce(t1, RingConfig(job_id=JOB, rank=1, workers=workers, timeout=10.0)))
         assert t1.stats().get("data_received", 0) > 0  # the datagram did arrive inside the window
         ours = rings[1].allreduce(0, 0, x1, ReduceOp.SUM)
@@ -83,17 +92,7 @@ def test_a_plain_jobs_datagrams_that_arrive_while_it_is_added_are_delivered() ->
         header = CheckmateHeader(MessageType.DATA, JOB + 1, 0, 0, 0, 0, 64, 0, DType.FP32)
         t0.send(t1.address, header, tensor_payload(payload))  # dropped by t1 (unknown job), then resent
 
-        native1 = t1.native
-        assert native1 is not None
-        engine_add_job = native1.add_job
-
-        def add_job_then_wait(*args: Any) -> None:
-            engine_add_job(*args)
-            deadline = time.monotonic() + 5.0
-            while t1.stats().get("data_received", 0) == 0 and time.monotonic() < deadline:
-                time.sleep(0.005)
-
-        native1.add_job = add_job_then_wait  # type: ignore[method-assign]
+        _hold_engine_add_job_until_data(t1)
         t1.add_job(JOB + 1, 1, peers, on_data=lambda header, data, addr: received.append(bytes(data)))
         assert t1.stats().get("data_received", 0) > 0  # it arrived inside the window
         deadline = time.monotonic() + 5.0

@@ -199,19 +199,23 @@ def wait_for(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
     return False
 
 
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[ShadowNode]:
+def _started_node(tmp_path: Path, repair: RepairPolicy) -> ShadowNode:
     torch.set_num_threads(1)
-    shadow = ShadowNode(
+    return ShadowNode(
         ShadowConfig(
             name="s0",
             control_bind=("127.0.0.50", 0),
             data_bind=("127.0.0.50", 0),
             status_file=tmp_path / "status.json",
             horizon=4,
-            repair=RepairPolicy(grace=0.01, timeout=0.05, max_attempts=6),
+            repair=repair,
         )
     ).start()
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[ShadowNode]:
+    shadow = _started_node(tmp_path, RepairPolicy(grace=0.01, timeout=0.05, max_attempts=6))
     yield shadow
     shadow.close()
 
@@ -404,17 +408,7 @@ def test_unrepairable_gap_blocks_certification_and_asks_for_state(node: ShadowNo
 @pytest.fixture
 def patient_node(tmp_path: Path) -> Iterator[ShadowNode]:
     """:func:`node` with repair timeouts a loaded machine meets (a FakeWorker thread may answer late)."""
-    torch.set_num_threads(1)
-    shadow = ShadowNode(
-        ShadowConfig(
-            name="s0",
-            control_bind=("127.0.0.50", 0),
-            data_bind=("127.0.0.50", 0),
-            status_file=tmp_path / "status.json",
-            horizon=4,
-            repair=RepairPolicy(grace=0.01, timeout=1.0, max_attempts=12),
-        )
-    ).start()
+    shadow = _started_node(tmp_path, RepairPolicy(grace=0.01, timeout=1.0, max_attempts=12))
     yield shadow
     shadow.close()
 
