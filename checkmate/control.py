@@ -124,11 +124,18 @@ class ParamSpec:
 
 @dataclass(frozen=True)
 class ParamSlice:
-    """Where a parameter's gradient lies in a bucket: ``numel`` elements from ``offset``."""
+    """Where a parameter's gradient lies in a bucket: ``numel`` elements from ``offset``.
+
+    ``param_offset``: the slice holds elements ``[param_offset, param_offset + numel)`` of the
+    flattened parameter (a *segment*: an FSDP2 / ZeRO reduce-scatter's bucket holds every rank's
+    shard of a parameter at another place); DDP's buckets hold whole parameters (0, all elements).
+    A parameter's segments in a bucket tile it exactly.
+    """
 
     name: str
     offset: int
     numel: int
+    param_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -423,6 +430,14 @@ def job_state_of(message: JobStart) -> JobState | None:
         raise ControlProtocolError(f"job_start carries a bad job state: {exc}") from None
 
 
+def _slice_json(piece: ParamSlice) -> dict[str, Any]:
+    """A bucket layout's slice on the wire (``param_offset`` only for a segment: DDP's read as before)."""
+    out: dict[str, Any] = {"name": piece.name, "offset": piece.offset, "numel": piece.numel}
+    if piece.param_offset:
+        out["param_offset"] = piece.param_offset
+    return out
+
+
 def encode_message(message: Message) -> list[bytes | memoryview]:
     """The frame for ``message`` as buffers for ``sendmsg``/``sendall`` (tensor bytes not copied)."""
     body: dict[str, Any] = {"type": message.TYPE}
@@ -453,7 +468,7 @@ def encode_message(message: Message) -> list[bytes | memoryview]:
                     "dtype": b.dtype,
                     "num_elements": b.num_elements,
                     "shard_key": b.shard_key,
-                    "params": [{"name": p.name, "offset": p.offset, "numel": p.numel} for p in b.params],
+                    "params": [_slice_json(p) for p in b.params],
                 }
                 for b in message.buckets
             ],
@@ -516,7 +531,10 @@ def decode_message(
                     dtype=b["dtype"],
                     num_elements=b["num_elements"],
                     shard_key=b["shard_key"],
-                    params=tuple(ParamSlice(p["name"], p["offset"], p["numel"]) for p in b["params"]),
+                    params=tuple(
+                        ParamSlice(p["name"], p["offset"], p["numel"], p.get("param_offset", 0))
+                        for p in b["params"]
+                    ),
                 )
                 for b in body.pop("buckets")
             ]

@@ -33,7 +33,12 @@ so DDP keeps its protection through the hook (the hook's ring wraps the all-redu
 carries DDP's set-up broadcasts, barriers and every other collective). ``CheckmateBackendOptions(tag=True)``
 makes the backend's ring tag each fully reduced chunk's first transmission exactly as the hook's
 ring does (the same :class:`RingAllReduce` in switch mode), numbered by the backend's own collective
-counter (docs/backend.md, "Tagging").
+counter (docs/backend.md, "Tagging"). A sharded job's agent (:mod:`hosts.c10d_fsdp`) takes the ring
+over for its gradient reduce-scatters (:mod:`hosts.c10d_sharded`): those alone are tagged, and the
+group's all-reduces move to the flows.
+
+The parts: :mod:`hosts.c10d_flows` (the flow collectives' messages, receive side and deadlines),
+:mod:`hosts.c10d_sharded` (the protected reduce-scatters), :mod:`hosts.c10d_work` (Work objects).
 """
 
 from __future__ import annotations
@@ -43,9 +48,7 @@ import logging
 import os
 import socket
 import threading
-import time
 import weakref
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -54,13 +57,24 @@ import torch
 import torch.distributed as dist
 
 from checkmate.auth import AuthConfigError, secret_from_env
-from checkmate.wire import MAX_PAYLOAD_BYTES, DType, pack_data_header
+from hosts.c10d_flows import FlowCollectives, FlowOp
+from hosts.c10d_sharded import ShardedProtection
+from hosts.c10d_work import (
+    BACKEND_NAME,
+    CheckmateBackendError,
+    FutureWork,
+    all_of,
+    done_work,
+    from_bytes,
+    unsupported,
+)
 from hosts.faults import FaultConfig
-from hosts.ring_allreduce import MAX_ITERATION, CollectiveError, ReduceOp, RingAllReduce, RingConfig
-from hosts.transport import Addr, PeerTimeoutError, Transport, TransportConfig, datapath_from_env, resolve
+from hosts.ring_allreduce import MAX_ITERATION, ReduceOp, RingAllReduce, RingConfig
+from hosts.transport import Addr, Transport, TransportConfig, datapath_from_env, resolve
 
 __all__ = [
     "BACKEND_NAME",
+    "CheckmateBackendError",
     "CheckmateBackendOptions",
     "CheckmateProcessGroup",
     "create_checkmate_backend",
@@ -68,20 +82,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAME = "checkmate"
-"""What ``init_process_group(backend=...)`` names (also ``"cpu:checkmate"``)."""
 BIND_ENV = "CHECKMATE_BACKEND_BIND"
 _RING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FLOW_JOB_OFFSET = 1 << 31
 """The flows job (gathers, broadcasts, reduce-scatters) is the ring's job id + 2**31 (mod 2**32)."""
-_PIECE = MAX_PAYLOAD_BYTES - MAX_PAYLOAD_BYTES % 2
-"""Bytes per datagram of a flow message (even: payloads travel as 2-byte elements)."""
-_WIRE_UNIT = DType.FP16
-"""Flow payloads are raw bytes; the header counts them in 2-byte units (odd tails padded)."""
-
-
-class CheckmateBackendError(RuntimeError):
-    """The backend could not start (rendezvous, transport) or a collective failed."""
 
 
 @dataclass(frozen=True)
@@ -111,36 +115,6 @@ class CheckmateBackendOptions:
     """Injected datagram loss, duplication, reordering (tests; :class:`hosts.faults.FaultConfig`)."""
 
 
-@dataclass
-class _FlowOp:
-    """One flow collective on this rank: the bytes it waits for from each peer."""
-
-    name: str
-    expected: dict[int, int]
-    """Sender rank -> bytes it sends this rank."""
-    buffers: dict[int, torch.Tensor]
-    """Sender rank -> a uint8 tensor of ``expected[sender]`` bytes, filled as datagrams arrive."""
-    finish: Callable[[dict[int, torch.Tensor]], Any]
-    """Runs once everything arrived (receive thread); its value is the future's."""
-    deadline: float
-    received: dict[int, int] = field(default_factory=dict)
-    future: torch.futures.Future[Any] = field(default_factory=torch.futures.Future)
-    done: bool = False
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A private contiguous uint8 copy of ``tensor``'s memory (safe to resend after the caller moves on)."""
-    flat = tensor.detach().to("cpu").reshape(-1).contiguous().clone()
-    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-def _from_bytes(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``raw`` (uint8) reinterpreted as ``like``'s dtype and shape."""
-    if like.numel() == 0:
-        return torch.empty_like(like, device="cpu")
-    return raw.view(like.dtype).view(like.shape)
-
-
 def _local_address_towards(host: str) -> str:
     """The local IP the kernel routes to ``host`` from (no datagram is sent)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -158,7 +132,7 @@ def _bind_address(options: CheckmateBackendOptions) -> Addr:
     return (_local_address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1")), 0)
 
 
-class CheckmateProcessGroup(dist.ProcessGroup):
+class CheckmateProcessGroup(ShardedProtection, FlowCollectives, dist.ProcessGroup):
     """One process group's collectives over one Checkmate transport (made by the registered creator).
 
     Calls must come in the same order on every rank (as with every c10d backend). Each returns a
@@ -191,7 +165,7 @@ class CheckmateProcessGroup(dist.ProcessGroup):
         self.job_id = job_id
         self.flow_job_id = (job_id + _FLOW_JOB_OFFSET) % (1 << 32)
         self._lock = threading.Lock()
-        self._ops: dict[int, _FlowOp] = {}
+        self._ops: dict[int, FlowOp] = {}
         self._early: dict[int, list[tuple[int, int, int, bytes]]] = {}
         """Flow op -> (sender, byte offset, bytes announced, payload) that came before the op started here."""
         self._flow_seq = 0
@@ -200,6 +174,9 @@ class CheckmateProcessGroup(dist.ProcessGroup):
         self._closed = False
         self.transport: Transport | None = None
         self.ring: RingAllReduce | None = None
+        self.protected = False
+        """A sharded job's agent owns the ring (:meth:`protect_reduce_scatters`): it runs only
+        :meth:`tagged_reduce_scatter`, and all-reduces go on the flows."""
         self.peers: tuple[Addr, ...] = ()
         self._watch_event = threading.Event()
         self._watchdog: threading.Thread | None = None
@@ -300,8 +277,8 @@ class CheckmateProcessGroup(dist.ProcessGroup):
             raise ValueError(f"all_reduce takes one tensor per call, got {len(tensors)}")
         tensor = tensors[0]
         if self._world == 1 or tensor.numel() == 0:
-            return _done(tensors)
-        if tensor.dtype in _RING_DTYPES:
+            return done_work(tensors)
+        if tensor.dtype in _RING_DTYPES and not self.protected:
             return self._ring_allreduce(tensor, op)
         # other dtypes: every rank's tensor to every rank, added in rank order (exact for integers)
         if op is ReduceOp.AVG and not tensor.is_floating_point():
@@ -319,7 +296,7 @@ class CheckmateProcessGroup(dist.ProcessGroup):
         return self._exchange("all_reduce", {r: tensor for r in range(self._world)}, tensor, finish)
 
     def allreduce_coalesced(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return _unsupported("all_reduce_coalesced", "call all_reduce once per tensor")
+        return unsupported("all_reduce_coalesced", "call all_reduce once per tensor")
 
     def allgather(  # type: ignore[override]  # torch's stub overloads it
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
@@ -338,7 +315,7 @@ class CheckmateProcessGroup(dist.ProcessGroup):
 
         def finish(parts: dict[int, torch.Tensor]) -> list[list[torch.Tensor]]:
             for r, out in enumerate(outputs):
-                out.copy_(mine if r == self._rank else _from_bytes(parts[r], mine))
+                out.copy_(mine if r == self._rank else from_bytes(parts[r], mine))
             return output_tensors
 
         return self._exchange("all_gather", {r: mine for r in range(self._world)}, mine, finish)
@@ -358,7 +335,7 @@ class CheckmateProcessGroup(dist.ProcessGroup):
             n = input.numel()
             for r in range(self._world):
                 flat[r * n : (r + 1) * n].copy_(
-                    input.reshape(-1) if r == self._rank else _from_bytes(parts[r], input).reshape(-1)
+                    input.reshape(-1) if r == self._rank else from_bytes(parts[r], input).reshape(-1)
                 )
             if not output.is_contiguous():
                 output.copy_(flat.view(output.shape))
@@ -369,7 +346,7 @@ class CheckmateProcessGroup(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def allgather_coalesced(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return _unsupported("all_gather_coalesced", "call all_gather once per tensor")
+        return unsupported("all_gather_coalesced", "call all_gather once per tensor")
 
     def broadcast(  # type: ignore[override]  # torch's stub overloads it
         self, tensors: list[torch.Tensor], opts: Any = None
@@ -382,11 +359,11 @@ class CheckmateProcessGroup(dist.ProcessGroup):
         if not 0 <= root < self._world:
             raise ValueError(f"broadcast root {root} is outside 0..{self._world - 1}")
         if self._world == 1:
-            return _done(tensors)
+            return done_work(tensors)
 
         def finish(parts: dict[int, torch.Tensor]) -> list[torch.Tensor]:
             if self._rank != root:
-                tensor.copy_(_from_bytes(parts[root], tensor))
+                tensor.copy_(from_bytes(parts[root], tensor))
             return tensors
 
         sends = {r: tensor for r in range(self._world) if r != root} if self._rank == root else {}
@@ -429,37 +406,37 @@ class CheckmateProcessGroup(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> dist.Work:
         """``dist.barrier``: completes once every rank has entered it."""
         if self._world == 1:
-            return _done([])
+            return done_work([])
         token = torch.zeros(1, dtype=torch.uint8)
         return self._exchange("barrier", {r: token for r in range(self._world)}, token, lambda parts: [])
 
     def reduce(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return _unsupported("reduce", "all_reduce (every rank gets the sum)")
+        return unsupported("reduce", "all_reduce (every rank gets the sum)")
 
     def gather(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return _unsupported("gather", "all_gather")
+        return unsupported("gather", "all_gather")
 
     def scatter(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return _unsupported("scatter", "broadcast the whole tensor and slice it")
+        return unsupported("scatter", "broadcast the whole tensor and slice it")
 
     def alltoall(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return _unsupported("all_to_all", "all_gather, then take your part, or a gloo group for it")
+        return unsupported("all_to_all", "all_gather, then take your part, or a gloo group for it")
 
     def all_to_all_single(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return _unsupported(
+        return unsupported(
             "all_to_all_single", "all_gather_into_tensor, then take your part, or a gloo group"
         )
 
     alltoall_base = all_to_all_single
 
     def send(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return _unsupported("send", "broadcast from the sender, or a gloo group for point-to-point")
+        return unsupported("send", "broadcast from the sender, or a gloo group for point-to-point")
 
     def recv(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return _unsupported("recv", "broadcast from the sender, or a gloo group for point-to-point")
+        return unsupported("recv", "broadcast from the sender, or a gloo group for point-to-point")
 
     def recv_anysource(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return _unsupported("recv_anysource", "a gloo group for point-to-point")
+        return unsupported("recv_anysource", "a gloo group for point-to-point")
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -468,7 +445,7 @@ class CheckmateProcessGroup(dist.ProcessGroup):
         if len(outputs) != len(inputs):
             raise ValueError(f"{len(outputs)} outputs for {len(inputs)} inputs")
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return _all_of(works, outputs)
+        return all_of(works, outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # old name
 
@@ -479,7 +456,7 @@ class CheckmateProcessGroup(dist.ProcessGroup):
         if len(outputs) != len(inputs):
             raise ValueError(f"{len(outputs)} outputs for {len(inputs)} inputs")
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return _all_of(works, outputs)
+        return all_of(works, outputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # old name
 
@@ -507,19 +484,10 @@ class CheckmateProcessGroup(dist.ProcessGroup):
         _live.discard(self)
 
     # ---- collectives ----------------------------------------------------------------------
-    @staticmethod
-    def _reduce_op(collective: str, opts: Any) -> ReduceOp:
+    @classmethod
+    def _reduce_op(cls, collective: str, opts: Any) -> ReduceOp:
         op = getattr(opts, "reduceOp", dist.ReduceOp.SUM) if opts is not None else dist.ReduceOp.SUM
-        # opts.reduceOp is a c10d ReduceOp (comparable to RedOpType members)
-        if op == dist.ReduceOp.SUM:
-            return ReduceOp.SUM
-        if op == dist.ReduceOp.AVG:
-            return ReduceOp.AVG
-        name = getattr(getattr(op, "op", op), "name", str(op))
-        raise NotImplementedError(
-            f'{collective} with ReduceOp.{name}: the "{BACKEND_NAME}" backend reduces with SUM and AVG only; '
-            "use a gloo group (dist.new_group(backend='gloo')) for other reductions"
-        )
+        return cls.ring_op(collective, op)
 
     def _ring_allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> dist.Work:
         assert self.ring is not None
@@ -533,14 +501,14 @@ class CheckmateProcessGroup(dist.ProcessGroup):
             tensor.copy_(done.value().view(tensor.shape))
             return [tensor]
 
-        return _FutureWork(ring_future.then(copy_back))
+        return FutureWork(ring_future.then(copy_back))
 
     def _reduce_scatter(
         self, name: str, output: torch.Tensor, chunks: list[torch.Tensor], op: ReduceOp, result: Any
     ) -> dist.Work:
         if self._world == 1:  # the sum (and the average) of one chunk is the chunk
             output.copy_(chunks[0].reshape(output.shape))
-            return _done(result)
+            return done_work(result)
         if op is ReduceOp.AVG and not output.is_floating_point():
             raise NotImplementedError(f"{name} with ReduceOp.AVG of {output.dtype}: average a float tensor")
         mine = chunks[self._rank]
@@ -554,253 +522,6 @@ class CheckmateProcessGroup(dist.ProcessGroup):
 
         sends = {r: chunks[r] for r in range(self._world)}
         return self._exchange(name, sends, mine, finish)
-
-    def _sum_in_rank_order(self, parts: dict[int, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-        """``parts[0] + parts[1] + ... + parts[N-1]`` in ``like``'s dtype; this rank's part is ``like``."""
-        values = [
-            like.reshape(-1) if r == self._rank else _from_bytes(parts[r], like).reshape(-1)
-            for r in range(self._world)
-        ]
-        total = values[0].clone()
-        for value in values[1:]:
-            total += value
-        return total.view(like.shape)
-
-    def _exchange(
-        self,
-        name: str,
-        sends: dict[int, torch.Tensor],
-        like: torch.Tensor,
-        finish: Callable[[dict[int, torch.Tensor]], Any],
-    ) -> dist.Work:
-        """Send ``sends[r]`` to each other rank r and wait for every other rank's ``like``-sized part."""
-        others = [r for r in range(self._world) if r != self._rank]
-        return self._flow_op(
-            name,
-            {r: t for r, t in sends.items() if r != self._rank},
-            others,
-            like.numel() * like.element_size(),
-            finish,
-        )
-
-    def _flow_op(
-        self,
-        name: str,
-        sends: dict[int, torch.Tensor],
-        expect_from: Sequence[int],
-        nbytes: int,
-        finish: Callable[[dict[int, torch.Tensor]], Any],
-    ) -> dist.Work:
-        """Start one flow collective: its sends and the receipt of ``nbytes`` from each of ``expect_from``."""
-        assert self.transport is not None
-        if (nbytes + 1) // 2 > 0xFFFFFFFF:
-            raise ValueError(f"{name}: a {nbytes}-byte message exceeds the wire's 32-bit offsets")
-        record = _FlowOp(
-            name=name,
-            expected={r: nbytes for r in expect_from},
-            buffers={r: torch.empty(nbytes, dtype=torch.uint8) for r in expect_from},
-            finish=finish,
-            deadline=time.monotonic() + self._timeout,
-        )
-        payloads = {r: _as_bytes(t) for r, t in sends.items()}
-        with self._lock:
-            self._check_usable()
-            seq = self._flow_seq
-            self._flow_seq = (seq + 1) % (MAX_ITERATION + 1)
-            self._ops[seq] = record
-            early = self._early.pop(seq, [])
-            self._watch_event.set()
-        try:
-            for dst, payload in payloads.items():
-                self._send_message(seq, dst, payload)
-        except (PeerTimeoutError, CollectiveError) as exc:
-            self._fail_op(seq, exc)
-        for sender, offset, announced, data in early:
-            self._accept(seq, sender, offset, announced, memoryview(data))
-        self._complete_if_done(seq)
-        return _FutureWork(record.future)
-
-    def _send_message(self, seq: int, dst: int, payload: torch.Tensor) -> None:
-        assert self.transport is not None
-        view = payload.numpy().data.cast("B") if payload.numel() else memoryview(b"")
-        total = len(view)
-        for start in range(0, total, _PIECE):
-            piece = view[start : start + _PIECE]
-            if len(piece) % 2:
-                piece = memoryview(bytes(piece) + b"\0")
-            header = bytearray(32)
-            pack_data_header(
-                header,
-                0,
-                int(_WIRE_UNIT),
-                self.flow_job_id,
-                seq,
-                0,
-                self._rank,
-                0,
-                start // 2,
-                len(piece) // 2,
-            )
-            self.transport.send_packed(self.peers[dst], self.flow_job_id, header, piece)
-
-    # ---- receive side (the transport's thread) -----------------------------------------------
-    def _on_fields(self, fields: tuple[int, ...], payload: memoryview, addr: Addr) -> None:
-        seq, sender = fields[5], fields[7]
-        offset = fields[10] * 2
-        with self._lock:
-            if seq not in self._ops:
-                if not self._closed:
-                    self._early.setdefault(seq, []).append((sender, offset, len(payload), bytes(payload)))
-                return
-        self._accept(seq, sender, offset, len(payload), payload)
-        self._complete_if_done(seq)
-
-    def _accept(self, seq: int, sender: int, offset: int, announced: int, payload: memoryview) -> None:
-        with self._lock:
-            record = self._ops.get(seq)
-            if record is None or record.done or sender not in record.expected:
-                self._drop(f"{record.name if record else 'stale'} from unexpected rank {sender}")
-                return
-            expected = record.expected[sender]
-            count = min(announced, expected - offset)
-            if count < 0 or offset < 0:
-                self._drop(f"{record.name}: bytes {offset}.. from rank {sender} beyond its {expected}")
-                return
-            record.buffers[sender][offset : offset + count].copy_(
-                torch.frombuffer(payload[:count], dtype=torch.uint8)
-                if count
-                else torch.empty(0, dtype=torch.uint8)
-            )
-            record.received[sender] = record.received.get(sender, 0) + count
-
-    def _complete_if_done(self, seq: int) -> None:
-        with self._lock:
-            record = self._ops.get(seq)
-            if record is None or record.done:
-                return
-            if any(record.received.get(r, 0) < n for r, n in record.expected.items()):
-                return
-            record.done = True
-            del self._ops[seq]
-        try:
-            value = record.finish(record.buffers)
-        except Exception as exc:  # noqa: BLE001 - a failed finish fails the caller's Work, not this thread
-            record.future.set_exception(exc)
-            return
-        record.future.set_result(value)
-
-    def _drop(self, why: str) -> None:
-        logger.warning("checkmate backend rank %d: dropped a datagram (%s)", self._rank, why)
-
-    # ---- failures -----------------------------------------------------------------------------
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise CheckmateBackendError("the checkmate process group was shut down")
-        if self._failed is not None:
-            raise CheckmateBackendError(f"the checkmate process group failed earlier: {self._failed}")
-
-    def _fail_op(self, seq: int, error: BaseException) -> None:
-        with self._lock:
-            record = self._ops.pop(seq, None)
-            if record is None or record.done:
-                return
-            record.done = True
-        record.future.set_exception(error)
-
-    def _fail_all(self, error: BaseException) -> None:
-        with self._lock:
-            records = [r for r in self._ops.values() if not r.done]
-            for record in records:
-                record.done = True
-            self._ops.clear()
-        for record in records:
-            record.future.set_exception(error)
-
-    def _on_peer_failure(self, error: PeerTimeoutError) -> None:
-        with self._lock:
-            if self._failed is None:
-                self._failed = error
-        self._fail_all(error)
-
-    def _watch(self) -> None:
-        """Fail flow collectives past their deadline (naming the ranks still silent)."""
-        while not self._closed:
-            now = time.monotonic()
-            with self._lock:
-                late = [(s, r) for s, r in self._ops.items() if not r.done and r.deadline < now]
-                deadline = min((r.deadline for r in self._ops.values() if not r.done), default=None)
-                self._watch_event.clear()
-            for seq, record in late:
-                missing = sorted(r for r, n in record.expected.items() if record.received.get(r, 0) < n)
-                self._fail_op(
-                    seq,
-                    TimeoutError(
-                        f"checkmate backend rank {self._rank}: {record.name} (collective {seq}) "
-                        f"incomplete after {self._timeout:.1f}s; still waiting for ranks {missing}"
-                    ),
-                )
-            if late:
-                continue
-            self._watch_event.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0) + 0.01)
-
-
-class _FutureWork(dist._Work):
-    """A collective's Work over its future: ``wait`` raises the collective's error.
-
-    (torch's ``_create_work_from_future`` wraps a future whose error its ``wait`` does not raise, so
-    a failed collective would pass silently.) ``wait``'s timeout is the group's: every pending
-    collective fails at its deadline.
-    """
-
-    def __init__(self, future: torch.futures.Future[Any]) -> None:
-        super().__init__()
-        self._future = future
-
-    def wait(self, timeout: Any = None) -> bool:
-        self._future.wait()  # raises what the collective failed with
-        return True
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        return self._future
-
-    def is_completed(self) -> bool:
-        return bool(self._future.done())
-
-    def is_success(self) -> bool:
-        if not self._future.done():
-            return False
-        try:
-            self._future.value()
-        except Exception:  # noqa: BLE001 - any stored error means the collective failed
-            return False
-        return True
-
-    def result(self) -> Any:
-        return self._future.wait()
-
-
-def _done(value: Any) -> dist.Work:
-    future: torch.futures.Future[Any] = torch.futures.Future()
-    future.set_result(value)
-    return _FutureWork(future)
-
-
-def _all_of(works: list[dist.Work], value: Any) -> dist.Work:
-    """One Work completing with ``value`` once all ``works`` have (failing with the first error)."""
-    futures = [work.get_future() for work in works]
-
-    def check(done: torch.futures.Future[Any]) -> Any:
-        for future in done.value():
-            future.value()  # raises the collective's error
-        return value
-
-    return _FutureWork(torch.futures.collect_all(futures).then(check))
-
-
-def _unsupported(collective: str, instead: str) -> dist.Work:
-    raise NotImplementedError(
-        f'{collective} is not supported by the torch.distributed backend "{BACKEND_NAME}"; use {instead}'
-    )
 
 
 _live: weakref.WeakSet[CheckmateProcessGroup] = weakref.WeakSet()

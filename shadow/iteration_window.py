@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import enum
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -37,6 +38,36 @@ class ParameterSlot:
     offset: int
     numel: int
     shape: tuple[int, ...]
+    param_offset: int = 0
+    """The slot holds elements ``[param_offset, param_offset + numel)`` of the flattened parameter
+    (a segment of a sharded job's reduce-scatter); a whole parameter: 0 and all its elements."""
+
+    @property
+    def whole(self) -> bool:
+        return self.param_offset == 0 and self.numel == math.prod(self.shape)
+
+
+def check_segments(bucket_id: int, slots: tuple[ParameterSlot, ...] | list[ParameterSlot]) -> None:
+    """Raise ValueError unless each parameter's slots in a bucket are it whole or tile it exactly."""
+    by_name: dict[str, list[ParameterSlot]] = {}
+    for slot in slots:
+        by_name.setdefault(slot.name, []).append(slot)
+    for name, pieces in by_name.items():
+        if len(pieces) == 1 and pieces[0].whole:
+            continue
+        covered = 0
+        for piece in sorted(pieces, key=lambda p: p.param_offset):
+            if piece.param_offset != covered or piece.numel < 0:
+                raise ValueError(
+                    f"bucket {bucket_id}: the segments of parameter {name} do not tile it "
+                    f"(elements {covered}.. expected, a segment starts at {piece.param_offset})"
+                )
+            covered += piece.numel
+        if covered != math.prod(pieces[0].shape):
+            raise ValueError(
+                f"bucket {bucket_id}: the segments of parameter {name} cover {covered} of its "
+                f"{math.prod(pieces[0].shape)} elements"
+            )
 
 
 @dataclass(frozen=True)
@@ -204,9 +235,15 @@ class IterationWindow:
         gradients = {}
         for bucket_id, assembly in pending.buckets.items():
             for slot in self.layouts[bucket_id].parameters:
-                gradients[slot.name] = assembly.buffer[slot.offset : slot.offset + slot.numel].view(
-                    slot.shape
-                )
+                piece = assembly.buffer[slot.offset : slot.offset + slot.numel]
+                if slot.whole:
+                    gradients[slot.name] = piece.view(slot.shape)
+                    continue
+                # a segment: the parameter's full gradient is assembled from its segments (they tile it)
+                full = gradients.get(slot.name)
+                if full is None:
+                    full = gradients[slot.name] = torch.empty(slot.shape, dtype=piece.dtype)
+                full.view(-1)[slot.param_offset : slot.param_offset + slot.numel].copy_(piece)
         return gradients
 
     def advance(self) -> None:

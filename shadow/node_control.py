@@ -42,7 +42,7 @@ from checkmate.control import (
 from checkmate.control_frame import ControlSession, FrameAuthError, bind
 from checkmate.job import JobSpec, JobSpecError
 from checkmate.optimizers import OptimizerReplayError, optimizer_class
-from shadow.iteration_window import BucketLayout, DropReason, IterationWindow, ParameterSlot
+from shadow.iteration_window import BucketLayout, DropReason, IterationWindow, ParameterSlot, check_segments
 from shadow.node_state import Addr, CommitEntry, Epoch, Job, NodeState
 from shadow.optimizer_apply import (
     GradientScaling,
@@ -375,7 +375,9 @@ class ControlServer(NodeState):
                     raise KeyError(f"bucket {bucket.bucket_id} names unknown parameter {piece.name!r}")
                 if piece.offset + piece.numel > bucket.num_elements:
                     raise ValueError(f"parameter {piece.name} lies past bucket {bucket.bucket_id}'s end")
-                slots.append(ParameterSlot(piece.name, piece.offset, piece.numel, shapes[piece.name]))
+                shape = shapes[piece.name]
+                slots.append(ParameterSlot(piece.name, piece.offset, piece.numel, shape, piece.param_offset))
+            check_segments(bucket.bucket_id, slots)
             window_layouts[bucket.bucket_id] = BucketLayout(
                 bucket.bucket_id, bucket.num_elements, tuple(slots), torch_dtype(bucket.dtype)
             )
