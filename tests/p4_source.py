@@ -3,16 +3,25 @@
 Not a P4 parser: it understands the subset p4src/ uses (header/struct fields,
 typedefs, #define sizes, action parameters, table keys/actions/size, counters;
 @hidden tables are skipped, as P4Info generators skip them),
-enough to check names and bit widths against the committed P4Info.
+enough to check names and bit widths against the committed P4Info. It reads a
+program as p4c does, through the C preprocessor (``cpp``, which p4c runs too):
+the shared ingress (p4src/shared/ingress*.p4) is #included inside each
+architecture's control, with macros for what the architectures spell differently.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 P4SRC = Path(__file__).resolve().parents[1] / "p4src"
+CPP_TIMEOUT_S = 60.0
+# The architecture headers a program includes with <...>: empty here, their types are ARCH_TYPES.
+_ARCH_HEADERS = ("core.p4", "v1model.p4", "tna.p4", "t2na.p4")
 
 # Architecture-provided fields our keys use, with their widths.
 ARCH_FIELDS = {
@@ -61,18 +70,52 @@ def _block(text: str, start: int) -> str:
     raise ValueError("unbalanced braces")
 
 
+def preprocess(arch: str) -> str:
+    """p4src/<arch>/checkmate.p4 after the C preprocessor, as p4c sees it (TNA: for Tofino 1)."""
+    cpp = shutil.which("cpp")
+    if cpp is None:
+        raise RuntimeError("reading p4src needs the C preprocessor cpp (Debian: apt-get install cpp)")
+    defines = ["-D__TARGET_TOFINO__=1"] if arch == "tna" else []
+    with tempfile.TemporaryDirectory(prefix="p4include-") as include:
+        for header in _ARCH_HEADERS:
+            (Path(include) / header).write_text("")
+        run = subprocess.run(
+            [
+                cpp,
+                "-P",
+                "-undef",
+                "-nostdinc",
+                "-x",
+                "c",
+                "-I",
+                include,
+                *defines,
+                str(P4SRC / arch / "checkmate.p4"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=CPP_TIMEOUT_S,
+        )
+    if run.returncode != 0:
+        raise RuntimeError(f"cpp failed on p4src/{arch}/checkmate.p4: {run.stderr}")
+    return run.stdout
+
+
 def read_program(arch: str) -> P4Program:
-    """Read p4src/shared/*.p4 plus p4src/<arch>/ (main file and includes)."""
+    """Read p4src/<arch>/checkmate.p4 with everything it includes (p4src/shared/ among them)."""
     files = sorted((P4SRC / "shared").glob("*.p4")) + sorted((P4SRC / arch).rglob("*.p4"))
-    text = "\n".join(_strip_comments(f.read_text()) for f in files)
+    raw = "\n".join(_strip_comments(f.read_text()) for f in files)
+    text = _strip_comments(preprocess(arch))
     program = P4Program()
     widths: dict[str, int] = dict(ARCH_TYPES)
-    for name, value in re.findall(r"#define\s+(\w+)\s+(\d+)", text):
+    for name, value in re.findall(r"#define\s+(\w+)\s+(\d+)", raw):
         program.constants[name] = int(value)
     for name, value in re.findall(r"const\s+bit<\d+>\s+(\w+)\s*=\s*(0x[0-9A-Fa-f]+|\d+)\s*;", text):
         program.constants[name] = int(value, 0)
     for width, name in re.findall(r"typedef\s+bit<(\d+)>\s+(\w+)\s*;", text):
         widths[name] = int(width)
+    for alias_of, name in re.findall(r"typedef\s+([A-Za-z_]\w*)\s+(\w+)\s*;", text):
+        widths[name] = widths[alias_of]
 
     def width_of(type_name: str) -> int:
         match = re.fullmatch(r"bit<(\d+)>", type_name)
@@ -272,9 +315,8 @@ class ControlFlow:
 
 
 def read_control(arch: str, control: str) -> ControlFlow:
-    """The actions, tables and apply block of ``control`` in p4src/<arch>/ (comments stripped)."""
-    files = sorted((P4SRC / arch).rglob("*.p4"))
-    return parse_control("\n".join(f.read_text() for f in files), control)
+    """The actions, tables and apply block of ``control`` in p4src/<arch>/checkmate.p4, preprocessed."""
+    return parse_control(preprocess(arch), control)
 
 
 def parse_control(source: str, control: str) -> ControlFlow:

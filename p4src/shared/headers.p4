@@ -77,6 +77,8 @@ struct checkmate_metadata_t {
     bit<1>     checksum_error;
     bit<1>     source_known;    /* check_source matched: the source is a known host */
     bit<9>     source_port;     /* ... which must be on this ingress port */
+    bit<32>    payload_bytes;   /* UDP length minus the UDP and Checkmate headers */
+    bit<32>    expected_bytes;  /* element_count times the dtype's size; 0xFFFFFFFF if impossible */
 }
 
 #endif

@@ -1,9 +1,8 @@
 /*
- * Checkmate TNA ingress: the same tables, keys and actions as the v1model
- * program (p4src/v1model/include/ingress.p4), on Tofino's intrinsic metadata,
- * in the shape the Tofino compiler accepts (check_source, the source check of
- * Checkmate packets, is the same table: its action records the expected port
- * and a gateway compares it with the ingress port):
+ * Checkmate TNA ingress: the tables, their actions and the steps that apply
+ * them are shared with v1model (p4src/shared/ingress.p4,
+ * p4src/shared/ingress_apply.p4); what stays here is the shape the Tofino
+ * compiler needs where v1model's does not place:
  *
  *   - Each counter is addressed from exactly one place. drop() and
  *     reject_replication() only record what happened (meta.dropped and
@@ -25,6 +24,15 @@
  * unicast port is written only when replicate_to_shadow chose no group.
  * The replication decision and job slot reach egress as bridged metadata.
  */
+
+typedef PortId_t port_id_t;
+
+#define CHECKMATE_INGRESS_PORT ig_intr_md.ingress_port
+#define CHECKMATE_SET_MULTICAST_GROUP(group) ig_tm_md.mcast_grp_a = group
+#define CHECKMATE_REJECT_REPLICATION() meta.rejected = 1
+#define CHECKMATE_MEASURE_PAYLOAD() measure_payload.apply()
+#define CHECKMATE_SET_UNICAST_PORT(port) ig_tm_md.ucast_egress_port = port
+
 control CheckmateIngress(inout headers_t hdr,
                          inout ingress_metadata_t meta,
                          in ingress_intrinsic_metadata_t ig_intr_md,
@@ -41,104 +49,7 @@ control CheckmateIngress(inout headers_t hdr,
         ig_dprsr_md.drop_ctl = 1;
     }
 
-    action forward(PortId_t port, bit<48> src_mac, bit<48> dst_mac) {
-        meta.next_hop_port = port;
-        meta.routed = 1;
-        hdr.ethernet.src_addr = src_mac;
-        hdr.ethernet.dst_addr = dst_mac;
-        hdr.ipv4.ttl = hdr.ipv4.ttl - 1;
-    }
-
-    /*
-     * Source-address validation, as switches do it (IP source guard, strict
-     * uRPF): workers accept ring DATA from their peer's address and port
-     * without a MAC (docs/security.md), so any host on the fabric could inject
-     * gradients under a worker's address. The controller installs, for every
-     * host it routes to, the port that host's packets arrive on; a Checkmate
-     * packet from that address on any other port is dropped. A source with no
-     * entry is not checked, so an unprogrammed switch still forwards and what
-     * is protected is exactly the addresses of known hosts (job members).
-     */
-    action expect_port(PortId_t port) {
-        meta.source_known = 1;
-        meta.source_port = port;
-    }
-
-    action source_unknown() {
-        meta.source_known = 0;
-    }
-
-    table check_source {
-        key = {
-            hdr.ipv4.src_addr : lpm @name("src_addr");
-        }
-        actions = {
-            expect_port;
-            source_unknown;
-        }
-        default_action = source_unknown();
-        size = SOURCE_TABLE_SIZE;
-    }
-
-    action drop_no_route() {
-        drop(DROP_NO_ROUTE);
-    }
-
-    table route_ipv4 {
-        key = {
-            hdr.ipv4.dst_addr : lpm @name("dst_addr");
-        }
-        actions = {
-            forward;
-            drop_no_route;
-        }
-        default_action = drop_no_route();
-        size = ROUTE_TABLE_SIZE;
-    }
-
-    action set_job_slot(job_slot_t slot) {
-        meta.job_slot = slot;
-    }
-
-    action job_unknown() {
-        meta.job_slot = UNKNOWN_JOB_SLOT;
-    }
-
-    table lookup_job {
-        key = {
-            hdr.checkmate.job_id : exact @name("job_id");
-        }
-        actions = {
-            set_job_slot;
-            job_unknown;
-        }
-        default_action = job_unknown();
-        size = JOB_TABLE_SIZE;
-    }
-
-    action set_multicast_group(multicast_group_t group) {
-        ig_tm_md.mcast_grp_a = group;
-        meta.replicated = 1;
-    }
-
-    action reject_replication() {
-        meta.rejected = 1;
-    }
-
-    table replicate_to_shadow {
-        key = {
-            hdr.checkmate.job_id    : exact @name("job_id");
-            ig_intr_md.ingress_port : exact @name("ingress_port");
-            hdr.checkmate.shard_key : exact @name("shard_key");
-            meta.next_hop_port      : exact @name("next_hop_port");
-        }
-        actions = {
-            set_multicast_group;
-            reject_replication;
-        }
-        default_action = reject_replication();
-        size = REPLICATION_TABLE_SIZE;
-    }
+#include "../../shared/ingress.p4"
 
     /*
      * The two checks v1model's parser verify()s, as a table because a gateway
@@ -229,31 +140,7 @@ control CheckmateIngress(inout headers_t hdr,
         } else if (hdr.ipv4.ttl <= 1) {
             drop(DROP_TTL_EXPIRED);
         } else {
-            /* Only Checkmate packets (DATA, ACK, NACK, repairs) are checked. */
-            if (hdr.checkmate.isValid()) {
-                check_source.apply();
-            }
-            if (meta.source_known == 1 && meta.source_port != ig_intr_md.ingress_port) {
-                drop(DROP_SPOOFED_SOURCE);
-            } else {
-                route_ipv4.apply();
-                if (meta.routed == 1 && hdr.checkmate.isValid()
-                        && (hdr.checkmate.flags & CHECKMATE_FLAG_REPLICATE) != 0) {
-                    lookup_job.apply();
-                    /* The payload must be exactly element_count elements of dtype. */
-                    measure_payload.apply();
-                    if (hdr.checkmate.msg_type != CHECKMATE_MSG_DATA
-                            || meta.payload_bytes != meta.expected_bytes) {
-                        meta.routed = 0;
-                        drop(DROP_MALFORMED_CHECKMATE);
-                    } else {
-                        replicate_to_shadow.apply();
-                    }
-                }
-                if (meta.routed == 1 && meta.replicated == 0) {
-                    ig_tm_md.ucast_egress_port = meta.next_hop_port;
-                }
-            }
+#include "../../shared/ingress_apply.p4"
         }
         if (meta.dropped == 1) {
             ingress_drops.count(meta.drop_reason);
