@@ -11,7 +11,8 @@ the secret must be private to its owner (mode 0600 or stricter, as ssh requires 
 private keys). A missing,
 short or malformed secret, or two sources that disagree, is an
 :class:`AuthConfigError` naming the file or variable: nothing falls back to
-running unauthenticated.
+running unauthenticated. Only the entry points read it (:func:`secret_from_env`); every
+component below them takes it as a value from its caller (docs/configuration.md).
 
 Keys are derived per purpose (HMAC-SHA256 of the secret and a label), so a
 control-channel MAC can never be replayed as a datagram MAC:
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
 import secrets
 import stat
@@ -37,6 +39,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
+
+logger = logging.getLogger(__name__)
 
 SECRET_ENV: Final = "CHECKMATE_JOB_SECRET"
 SECRET_FILE_ENV: Final = "CHECKMATE_JOB_SECRET_FILE"
@@ -150,6 +154,23 @@ def secret_from_env(environ: Mapping[str, str] | None = None) -> bytes:
         if not hmac.compare_digest(first, other):
             raise AuthConfigError(f"the job secret in {source} differs from the one in {first_source}")
     return first
+
+
+def secret_or_env(secret: bytes | None, user: str) -> bytes:
+    """``secret``, the value a caller passed down; for a caller that passed none, this process's.
+
+    Checkmate's entry points (the CLIs, :func:`hosts.enable_checkmate`,
+    ``CheckmateConfig.from_env``, :func:`hosts.resume`; docs/configuration.md) read the
+    secret once with :func:`secret_from_env` and hand it down as a value, so inside the
+    project this returns ``secret``. A script that builds a component itself without one
+    (``user`` names the component) keeps working as before: it gets the secret from the
+    environment, as the component used to read it. tests/test_configuration.py keeps the
+    list of components that may fall back here.
+    """
+    if secret is not None:
+        return secret
+    logger.debug("%s was given no job secret: reading this process's from the environment", user)
+    return secret_from_env()
 
 
 def lane_path(path: str, environ: Mapping[str, str]) -> str:

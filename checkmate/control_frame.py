@@ -37,8 +37,11 @@ the connection is closed. The whole 60-byte head must arrive within one timeout
 Which key a socket uses: :func:`bind` gives it a :class:`ControlAuth`'s session
 (shadows and rank 0's links do, with their configured secret; a server's
 ``bind`` writes the hello, a client's reads it); an unbound socket gets a client
-session of the process's secret (:func:`checkmate.auth.secret_from_env`) on
-first use, which reads the hello then. :mod:`checkmate.control` builds its
+session of :func:`process_auth` on first use, which reads the hello then. The
+secret reaches :class:`ControlAuth` as a value from the entry point
+(docs/configuration.md); :func:`process_auth` without one is the compatibility
+default for scripts that pass none (:func:`checkmate.auth.secret_or_env`).
+:mod:`checkmate.control` builds its
 messages on this; tools that only exchange JSON with a shadow (``checkmate-ctl
 job show``) use it directly and so do not import torch.
 """
@@ -55,7 +58,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Final
 
-from checkmate.auth import derive_key, secret_from_env
+from checkmate.auth import derive_key, secret_or_env
 
 MAGIC: Final = b"CMC3"
 HELLO_MAGIC: Final = b"CMH3"
@@ -438,9 +441,10 @@ def bind(
     return session
 
 
-def process_auth() -> ControlAuth:
-    """The :class:`ControlAuth` of this process's job secret (AuthConfigError if it has none)."""
-    secret = secret_from_env()
+def process_auth(secret: bytes | None = None) -> ControlAuth:
+    """The :class:`ControlAuth` of ``secret``, one per secret in this process (None: this process's
+    job secret, :func:`checkmate.auth.secret_or_env`; AuthConfigError if it has none)."""
+    secret = secret_or_env(secret, "a control connection")
     with _sessions_lock:
         auth = _env_auth.get(secret)
         if auth is None:

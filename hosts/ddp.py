@@ -78,6 +78,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from checkmate.auth import secret_from_env, secret_or_env
 from checkmate.control import BucketSpec, Commit, validate_data_position
 from checkmate.job_state import JobState, JobStateError
 from checkmate.optimizers import check_replayable, pin_implementation
@@ -127,6 +128,8 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
         stateful: Mapping[str, Any] | None = None,
     ) -> None:
         initial_position = None if data_position is None else validate_data_position(data_position)
+        if config.secret is None:  # a script built it without one (enable_checkmate passes it)
+            config = dataclasses.replace(config, secret=secret_or_env(None, "CheckmateAgent"))
         self.model = ddp_model
         self.optimizer = optimizer
         self.config = config
@@ -165,7 +168,9 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
         self.workers = workers
         if _replication_mode(config.replication) == "host" and config.shadow_control:
             # no switch: the owner of each chunk sends the copy to the port the shadow listens on
-            ports = ask_shadow_data_ports(config.shadow_control, config.job_id, config.shadow_connect_timeout)
+            ports = ask_shadow_data_ports(
+                config.shadow_control, config.job_id, config.shadow_connect_timeout, config.secret
+            )
             config = self.config = dataclasses.replace(config, shadow_data_ports=ports)
         self.transport = Transport(
             TransportConfig(
@@ -173,6 +178,7 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
                 peer_timeout=config.peer_timeout,
                 faults=config.faults,
                 datapath=config.datapath,
+                secret=config.secret,
             )
         )
         self.ring = RingAllReduce(
@@ -217,6 +223,7 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
                 config.job_id,
                 config.shadow_control,
                 ControlConfig(connect_timeout=config.shadow_connect_timeout),
+                secret=config.secret,
                 unnamed=config.unnamed_shadows,
             )
             up = self.channel.wait_connected(config.shadow_connect_timeout)
@@ -374,6 +381,8 @@ def enable_checkmate(
         if data_position is None:
             data_position = resume.data_position
     config = config or CheckmateConfig.from_env()
+    if config.secret is None:  # the entry point reads the secret once; the agent passes it down
+        config = dataclasses.replace(config, secret=secret_from_env())
     if start_iteration is not None or optimizer_step is not None:
         config = dataclasses.replace(
             config,

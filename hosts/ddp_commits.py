@@ -317,6 +317,7 @@ class ShadowMessages:
                     self.config.job_id,
                     shadows,
                     ControlConfig(connect_timeout=self.config.shadow_connect_timeout),
+                    secret=self.config.secret,
                 )
                 self.channel.wait_connected(self.config.shadow_connect_timeout)
         else:

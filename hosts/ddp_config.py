@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from checkmate.auth import JOB_FILE_ENV, SECRET_ENV, SECRET_FILE_ENV, AuthConfigError, secret_from_env
 from checkmate.control import DEFAULT_CONTROL_PORT
 from checkmate.job import JobSpec
 from checkmate.metrics import parse_metrics_port
@@ -100,6 +101,11 @@ class CheckmateConfig:
     protection: ProtectionPolicy = field(default_factory=ProtectionPolicy)
     """Bounded lag and what an unprotected job does (``CHECKMATE_MAX_LAG``, ``CHECKMATE_ON_LAG``,
     ``CHECKMATE_UNPROTECTED``, ``CHECKMATE_CERTIFY_TIMEOUT``; :mod:`hosts.protection`)."""
+    secret: bytes | None = field(default=None, repr=False, compare=False)
+    """The job secret (:mod:`checkmate.auth`), read once by the entry point: :meth:`from_env` from
+    ``CHECKMATE_JOB_SECRET``, ``CHECKMATE_JOB_SECRET_FILE`` or the job file; for a configuration
+    built without one, :func:`hosts.enable_checkmate` reads this process's. The agent hands it to
+    its transport, its shadow links and its gradient tags; nothing below reads the environment."""
 
     def __post_init__(self) -> None:
         if self.protection.on_lag == "wait" and self.protection.max_lag > self.keep_iterations:
@@ -249,6 +255,7 @@ class CheckmateConfig:
             tp_degree=tp,
             tp_index=tp_index,
             protection=_protection_env(env),
+            secret=_secret_env(env),
         )
 
 
@@ -267,15 +274,31 @@ def _protection_env(env: Mapping[str, str]) -> ProtectionPolicy:
         raise CheckmateConfigError(f"protection policy (CHECKMATE_MAX_LAG, ...): {exc}") from None
 
 
-def ask_shadow_data_ports(shadow_control: Mapping[str, Addr], job_id: int, timeout: float) -> dict[str, int]:
-    """Each shadow's data port, from its status (host replication sends its copies there, whatever
-    ``checkmate-shadow --data`` was given). A shadow that does not answer is left out (logged)."""
-    from checkmate.control import ShadowStatusError, query_status
+def _secret_env(env: Mapping[str, str]) -> bytes | None:
+    """The job secret ``env`` gives (:func:`checkmate.auth.secret_from_env`), or None when it gives
+    none that will do: :func:`hosts.enable_checkmate` then reads this process's, and raises its error."""
+    if not any(env.get(name) for name in (SECRET_ENV, SECRET_FILE_ENV, JOB_FILE_ENV)):
+        return None
+    try:
+        return secret_from_env(env)
+    except AuthConfigError:
+        return None
 
+
+def ask_shadow_data_ports(
+    shadow_control: Mapping[str, Addr], job_id: int, timeout: float, secret: bytes | None = None
+) -> dict[str, int]:
+    """Each shadow's data port, from its status (host replication sends its copies there, whatever
+    ``checkmate-shadow --data`` was given). A shadow that does not answer is left out (logged).
+    ``secret``: the job's (the agent passes its configuration's)."""
+    from checkmate.control import ShadowStatusError, query_status
+    from checkmate.control_frame import process_auth
+
+    auth = process_auth(secret)
     ports: dict[str, int] = {}
     for name, address in shadow_control.items():
         try:
-            status = query_status(address, timeout, job_id)
+            status = query_status(address, timeout, job_id, auth)
             ports[name] = int(status["data_address"][1])
         except (ShadowStatusError, OSError, KeyError, TypeError, ValueError, IndexError) as exc:
             logger.warning(

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from checkmate.auth import GradientDigests, secret_from_env
+from checkmate.auth import GradientDigests
 from checkmate.control import BucketLayout, BucketSpec, JobStart, ParamSlice, dtype_name
 from checkmate.tensors import tensor_payload
 from hosts.control_channel import ControlChannel
@@ -113,7 +113,10 @@ class CommHook:
         if self.channel is None:
             return None
         if self._gradient_digests is None:
-            self._gradient_digests = GradientDigests(secret_from_env(), self.config.job_id)
+            secret = self.config.secret  # filled by the agent (CheckmateAgent, enable_checkmate)
+            if secret is None:
+                raise CheckmateConfigError("the agent's configuration carries no job secret")
+            self._gradient_digests = GradientDigests(secret, self.config.job_id)
         return self._gradient_digests
 
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

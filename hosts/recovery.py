@@ -99,6 +99,8 @@ from checkmate.network import Addr
 logger = logging.getLogger(__name__)
 
 SNAPSHOT_DIR_ENV = "CHECKMATE_SNAPSHOT_DIR"
+JOB_ID_ENV = "CHECKMATE_JOB_ID"
+TP_DEGREE_ENV = "CHECKMATE_TP_DEGREE"
 
 
 class ResumeError(RuntimeError):
@@ -323,7 +325,12 @@ def resume(
     ``snapshot_dir`` names each lane's directory with ``{tp_index}``;
     ``merged_dir`` is the lanes' merged universal checkpoint, the last source asked.
     """
-    tp = _tp_degree_env() if tp_degree is None else tp_degree
+    env = _resume_environment()
+    tp = _tp_degree(env) if tp_degree is None else tp_degree
+    if snapshot_dir is None:
+        snapshot_dir = env.get(SNAPSHOT_DIR_ENV) or None
+    if shadows is not None and job_id is None:
+        job_id = _job_id(env)
     if tp < 1:
         raise ResumeError(f"tp_degree {tp}: a tensor-parallel degree is at least 1")
     if tp > 1:
@@ -388,12 +395,9 @@ def _fetch(
         shadows = dict(config.shadow_control)
         unnamed = config.unnamed_shadows
         job_id = config.job_id if job_id is None else job_id
-    elif job_id is None:
-        job_id = _job_id_env()
-    directory = snapshot_dir if snapshot_dir is not None else os.environ.get(SNAPSHOT_DIR_ENV) or None
     state = restore_latest(
         shadows,
-        Path(directory) if directory else None,
+        Path(snapshot_dir) if snapshot_dir else None,
         timeout=timeout,
         job_id=job_id,
         start_over=start_over,
@@ -404,18 +408,25 @@ def _fetch(
     return state, workers_finished(shadows, min(timeout, 5.0), job_id, unnamed)
 
 
-def _job_id_env() -> int:
+def _resume_environment() -> dict[str, str]:
+    """The variables :func:`resume` reads when it is not given their values: read once, here, at the
+    entry point (docs/configuration.md); the configuration for the shadows is ``CheckmateConfig.from_env``."""
+    names = (JOB_ID_ENV, TP_DEGREE_ENV, SNAPSHOT_DIR_ENV)
+    return {name: os.environ[name] for name in names if name in os.environ}
+
+
+def _job_id(env: Mapping[str, str]) -> int:
     """``CHECKMATE_JOB_ID`` (default 1, as :meth:`CheckmateConfig.from_env`), without needing a rank."""
-    text = os.environ.get("CHECKMATE_JOB_ID") or "1"
+    text = env.get(JOB_ID_ENV) or "1"
     try:
         return int(text)
     except ValueError:
         raise ResumeError(f"CHECKMATE_JOB_ID={text!r} is not an integer") from None
 
 
-def _tp_degree_env() -> int:
+def _tp_degree(env: Mapping[str, str]) -> int:
     """``CHECKMATE_TP_DEGREE`` (default 1)."""
-    text = os.environ.get("CHECKMATE_TP_DEGREE") or "1"
+    text = env.get(TP_DEGREE_ENV) or "1"
     try:
         return int(text)
     except ValueError:
@@ -596,8 +607,9 @@ def _lane_sources(request: _LaneRequest, t: int) -> _LaneSources:
         unnamed = config.unnamed_shadows
         job_id = config.job_id if job_id is None else job_id + t
     else:
-        job_id = (_job_id_env() if job_id is None else job_id) + t
-    directory = request.snapshot_dir if request.snapshot_dir is not None else os.environ.get(SNAPSHOT_DIR_ENV)
+        assert job_id is not None  # resume() filled it
+        job_id += t
+    directory = request.snapshot_dir
     lane_dir = None
     if directory:
         text = str(directory)

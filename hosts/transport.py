@@ -89,7 +89,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from checkmate.address import parse_host_port
-from checkmate.auth import DatagramAuth, datagram_job, derive_key, secret_from_env
+from checkmate.auth import DatagramAuth, datagram_job, derive_key, secret_or_env
 from checkmate.network import Addr
 from checkmate.sockets import bind, grow_buffer
 from checkmate.wire import CHECKMATE_UDP_PORT, MAX_PAYLOAD_BYTES, CheckmateHeader, WireFormatError
@@ -167,6 +167,10 @@ class TransportConfig:
     """``"native"``: the compiled data path (:mod:`hosts.transport_native`) where it built, else the
     Python one with a warning; ``"python"``: the Python data path, the reference implementation.
     Entry points map ``CHECKMATE_TRANSPORT=python|native`` to it (:func:`datapath_from_env`)."""
+    secret: bytes | None = field(default=None, repr=False)
+    """The job secret the entry point read (its control datagrams' keys, :mod:`checkmate.auth`):
+    :meth:`Transport.add_job` uses it for a job added without one of its own. None: each job's
+    own, or this process's from the environment (:func:`checkmate.auth.secret_or_env`)."""
 
     def __post_init__(self) -> None:
         if self.datapath not in DATAPATHS:
@@ -308,10 +312,12 @@ class Transport(Receiver):
         ``on_data_fields``: when given, DATA is delivered to it (header as ints, see
         :func:`checkmate.wire.decode_data`) instead of to ``on_data`` -- the per-datagram fast path.
 
-        ``secret``: the job's (None: this process's, :func:`checkmate.auth.secret_from_env`,
-        which raises AuthConfigError when there is none).
+        ``secret``: the job's (None: :attr:`TransportConfig.secret`, else this process's from the
+        environment, :func:`checkmate.auth.secret_or_env`, AuthConfigError when there is none).
         """
-        secret_bytes = secret if secret is not None else secret_from_env()
+        secret_bytes = secret_or_env(
+            secret if secret is not None else self.config.secret, "Transport.add_job"
+        )
         auth = DatagramAuth(secret_bytes, job_id)
         resolved = {int(r): resolve(a) for r, a in peers.items()}
         # Python's table first, then the engine's: once the engine knows the job it accepts and

@@ -22,13 +22,13 @@ from pathlib import Path
 from types import FrameType
 
 from checkmate.address import AddressError, parse_host_port
-from checkmate.auth import AuthConfigError
+from checkmate.auth import AuthConfigError, secret_from_env
 from checkmate.checkpoint.shadow_memory import RestoreError
 from checkmate.control import DEFAULT_CONTROL_PORT, query_status
-from checkmate.control_frame import ControlProtocolError
+from checkmate.control_frame import ControlProtocolError, process_auth
 from checkmate.metrics import DEFAULT_BIND, MetricsServer, parse_metrics_port
 from checkmate.wire import CHECKMATE_UDP_PORT
-from shadow.cluster import certified_through
+from shadow.cluster import certified_from_statuses
 from shadow.metrics import shadow_collector
 from shadow.node import ShadowConfig, ShadowNode
 from shadow.repair import RepairPolicy
@@ -152,6 +152,7 @@ def _run(args: argparse.Namespace) -> int:
         horizon=args.horizon,
         repair=RepairPolicy(grace=args.repair_grace, timeout=args.repair_timeout),
         apply_threads=args.apply_threads,
+        secret=secret_from_env(),  # read once, here: the node and its links take it as a value
     )
     stop = threading.Event()
 
@@ -191,12 +192,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args)
+        auth = process_auth(secret_from_env())  # the job secret, read once, handed to every query
         if args.command == "status":
-            document = query_status(parse_address(args.address, DEFAULT_CONTROL_PORT), args.timeout)
+            document = query_status(
+                parse_address(args.address, DEFAULT_CONTROL_PORT), args.timeout, auth=auth
+            )
             print(json.dumps(document, indent=1, sort_keys=True))
             return 0
         addresses = [parse_address(a, DEFAULT_CONTROL_PORT) for a in args.addresses]
-        print(json.dumps({"certified_through": certified_through(addresses, args.timeout)}))
+        statuses = [query_status(address, args.timeout, auth=auth) for address in addresses]
+        print(json.dumps({"certified_through": certified_from_statuses(statuses)}))
         return 0
     except (OSError, RestoreError, AuthConfigError, ControlProtocolError) as exc:
         print(f"checkmate-shadow: {exc}", file=sys.stderr)

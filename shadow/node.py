@@ -52,7 +52,7 @@ from collections.abc import Callable
 
 import torch
 
-from checkmate.auth import DatagramKeys, secret_from_env
+from checkmate.auth import DatagramKeys, secret_or_env
 from checkmate.control import Goodbye, send_message
 from checkmate.control_frame import ControlAuth
 from checkmate.sockets import bind, create_server, grow_buffer
@@ -77,7 +77,7 @@ class ShadowNode(Receiver, ControlServer, Applier, StateService, Maintenance):
         self.config = config
         self.name = config.name
         self.stats = NodeStats()
-        secret = config.secret if config.secret is not None else secret_from_env()
+        secret = secret_or_env(config.secret, "ShadowNode")  # checkmate-shadow passes the one it read
         self._control_auth = ControlAuth(secret)
         self._datagram_keys = DatagramKeys(secret)
         self._gradient_check = GradientCheck(secret)

@@ -22,9 +22,8 @@ was created.
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,7 +83,14 @@ class NetworkRunner:
         controller_state_dir: Path | None = None,
         timeouts: Timeouts | None = None,
         on_change: Callable[[RunState], None] | None = None,
+        environ: Mapping[str, str] | None = None,
     ) -> None:
+        """``environ``: the environment the switches and host commands run in, the entry point's
+        (``python -m topologies.supervisor`` passes its own, marked with the run directory)."""
+        if environ is None:
+            raise ValueError(
+                "NetworkRunner needs environ: the environment its switches and host commands run in"
+            )
         self.plan = plan
         self.state = state
         self.controller_state_dir = controller_state_dir
@@ -92,7 +98,7 @@ class NetworkRunner:
         self._save = on_change or (lambda state: state.save())
         self.net: Any = None
         self.switches: dict[str, P4Switch] = {}
-        self.env = {**os.environ, RUN_ENV: str(plan.run_dir), **plan.controller_env()}
+        self.env = {**environ, RUN_ENV: str(plan.run_dir), **plan.controller_env()}
 
     # ---- bring-up -----------------------------------------------------------------
     def start(self) -> None:
@@ -101,8 +107,6 @@ class NetworkRunner:
         self.state.interfaces = list(plan.interfaces)
         self.state.pcap_dir = str(plan.pcap_dir or "")
         self._save(self.state)
-        # Mininet's node shells inherit this process's environment: mark them as ours.
-        os.environ[RUN_ENV] = str(plan.run_dir)
         self._build()
         self._configure()
         self._start_switches()

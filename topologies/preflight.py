@@ -28,7 +28,7 @@ from checkmate.p4.program import Target
 from checkmate.tls import PkiFiles, TlsConfigError, pki_in, server_args
 from topologies.mininet_import import MininetMissing, import_mininet
 from topologies.runstate import RunState, RunStateError, is_same_process
-from topologies.targets import SwitchConfig, TargetError, find_binary, find_tool, pipeline_files
+from topologies.targets import SwitchProcessConfig, TargetError, find_binary, find_tool, pipeline_files
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class Plan:
     bmv2_json: Path | None
     run_dir: Path
     pcap: bool
-    switches: dict[str, SwitchConfig] = field(default_factory=dict)
+    switches: dict[str, SwitchProcessConfig] = field(default_factory=dict)
     interfaces: tuple[str, ...] = ()
     tls: PkiFiles | None = None
     """P4Runtime over mutual TLS (``checkmate-net up --tls``/``--tls-dir``): every switch serves
@@ -201,12 +201,12 @@ def make_plan(
             raise PreflightError(f"--tls-dir {tls_dir}: {exc}") from None
     run_dir = Path(run_dir).resolve()
     pcap_dir = run_dir / "pcap" if pcap else None
-    switches: dict[str, SwitchConfig] = {}
+    switches: dict[str, SwitchProcessConfig] = {}
     interfaces: list[str] = []
     for index, (name, switch) in enumerate(network.switches.items()):
         ports = {port: switch_interface(name, port) for port in network.ports(name)}
         interfaces += ports.values()
-        switches[name] = SwitchConfig(
+        switches[name] = SwitchProcessConfig(
             name=name,
             device_id=switch.device_id,
             grpc_address=switch.grpc,

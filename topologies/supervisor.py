@@ -21,7 +21,7 @@ from types import FrameType
 
 from checkmate.p4.program import Target
 from topologies.preflight import PreflightError, make_plan
-from topologies.runstate import FAILED, STOPPED, STOPPING, UP, RunState, process_start_time
+from topologies.runstate import FAILED, RUN_ENV, STOPPED, STOPPING, UP, RunState, process_start_time
 
 logger = logging.getLogger(__name__)
 
@@ -99,11 +99,14 @@ def main(argv: list[str] | None = None) -> int:
             switch_args=args.switch_args,
             tls_dir=args.tls_dir,
         )
+        # Mininet's node shells inherit this process's environment: mark them as ours.
+        os.environ[RUN_ENV] = str(plan.run_dir)
         runner = NetworkRunner(
             plan,
             state,
             controller_state_dir=args.state_dir,
             timeouts=Timeouts(switch_ready_s=args.switch_ready_timeout),
+            environ=os.environ,
         )
         runner.start()
         starting = False

@@ -24,7 +24,7 @@ from checkmate.address import parse_host_port
 from checkmate.p4.program import Target
 from topologies.hosts import configure_switch_interface
 from topologies.mininet_import import import_mininet
-from topologies.targets import SwitchConfig
+from topologies.targets import SwitchProcessConfig
 
 import_mininet()
 from mininet.node import Switch  # noqa: E402  (needs import_mininet first)
@@ -70,20 +70,22 @@ class P4Switch(Switch):  # Mininet is untyped (mypy sees it as Any)
     def __init__(
         self,
         name: str,
-        config: SwitchConfig | None = None,
+        config: SwitchProcessConfig | None = None,
         binary: str = "",
         target: Target = Target.EMBEDDED,
         env: dict[str, str] | None = None,
         **params: Any,
     ) -> None:
         if config is None:
-            raise ValueError(f"switch {name}: P4Switch needs a SwitchConfig")
+            raise ValueError(f"switch {name}: P4Switch needs a SwitchProcessConfig")
+        if env is None:
+            raise ValueError(f"switch {name}: P4Switch needs env, the environment its process runs in")
         params.setdefault("inNamespace", False)
         super().__init__(name, dpid=f"{config.device_id + 1:016x}", **params)
         self.config = config
         self.binary = binary
         self.target = target
-        self.env = env if env is not None else dict(os.environ)
+        self.env = env
         self.process: subprocess.Popen[bytes] | None = None
 
     # ---- Mininet interface ----------------------------------------------------

@@ -1,7 +1,7 @@
 """Switch targets: which binary runs a switch, and its command line.
 
 Both targets take ``simple_switch_grpc``'s command-line shape, so one
-:class:`SwitchConfig` describes a switch for either: ports as ``-i N@IFACE``,
+:class:`SwitchProcessConfig` describes a switch for either: ports as ``-i N@IFACE``,
 ``--device-id``, the P4Runtime address, an optional CPU port, a log and a pcap
 folder. The only difference is that BMv2 reads its gRPC options after ``--``
 (they belong to the ``simple_switch_grpc`` target, not the BMv2 core), and
@@ -71,7 +71,7 @@ def pipeline_files(target: Target) -> tuple[Path, Path | None]:
 
 
 @dataclass(frozen=True)
-class SwitchConfig:
+class SwitchProcessConfig:
     """Everything needed to start one switch process."""
 
     name: str
@@ -110,3 +110,7 @@ class SwitchConfig:
             argv += ["--cpu-port", str(self.cpu_port)]
         argv += self.grpc_args
         return argv
+
+
+SwitchConfig = SwitchProcessConfig
+"""The old name (until scripts move; ``embedded_switch.cli.SwitchConfig`` is the switch's own)."""
