@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 LOOPBACK_OUT = "results/hosts_bench.json"
 DATAPATHS = ("native", "python")
 """The transport's data paths (:class:`hosts.transport.TransportConfig` ``datapath``), measured in turn."""
+DEFAULT_WARMUP = 6
+"""Untimed repetitions before the timed ones: ``RingConfig.keep_iterations`` (4) + 2, so every timed
+all-reduce of the ring writes into a reused result buffer (steady state, as in training)."""
 
 
 def udp_rcvbuf_errors() -> int | None:
@@ -66,11 +69,15 @@ def rank_benchmark(
     steps: int,
     timeout: float,
     datapaths: Sequence[str] = DATAPATHS,
+    warmup: int = 0,
 ) -> dict[str, Any]:
     """One rank's measurements; every rank of the world calls it at once (``workers[r]`` is rank r's).
 
     One transport per data path in ``datapaths`` (the first on ``workers[r]``, the next on the
-    following ports); each repetition runs gloo, then the ring on each data path in turn.
+    following ports); each repetition runs gloo, then the ring on each data path in turn. The
+    first ``warmup`` repetitions are not timed: after ``RingConfig.keep_iterations`` of them the
+    ring reuses released result buffers, as it does in training where the buckets repeat every
+    iteration (a fresh 16 MiB result faults in ~4,000 pages; gloo reduces in place).
     """
     import torch
     import torch.distributed as dist
@@ -91,7 +98,7 @@ def rank_benchmark(
     )
     n = mib * (1 << 20) // 4
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
-    result: dict[str, Any] = {"bind": list(addresses[rank])}
+    result: dict[str, Any] = {"bind": list(addresses[rank]), "warmup": warmup}
 
     # all-reduce, interleaved: gloo, ring (each data path), gloo, ring, ... (separate job ids;
     # DDP below makes its own)
@@ -109,18 +116,22 @@ def rank_benchmark(
     for datapath in datapaths:
         timings[f"{datapath}_s"], timings[f"{datapath}_cpu_s"] = [], []
     ring_drops = dict.fromkeys(datapaths, 0)
-    for i in range(reps):
+    for i in range(warmup + reps):
+        timed = i >= warmup
         y = x.clone()
         dist.barrier()
         c0, t0 = time.process_time(), time.perf_counter()
         dist.all_reduce(y)
-        timings["gloo_s"].append(time.perf_counter() - t0)
-        timings["gloo_cpu_s"].append(time.process_time() - c0)
+        if timed:
+            timings["gloo_s"].append(time.perf_counter() - t0)
+            timings["gloo_cpu_s"].append(time.process_time() - c0)
         for datapath, _, ring in rings:
             dist.barrier()
             before = udp_rcvbuf_errors()
             c0, t0 = time.process_time(), time.perf_counter()
             ring.allreduce(i, 0, x, ReduceOp.SUM)
+            if not timed:
+                continue
             timings[f"{datapath}_s"].append(time.perf_counter() - t0)
             timings[f"{datapath}_cpu_s"].append(time.process_time() - c0)
             after = udp_rcvbuf_errors()
@@ -247,16 +258,24 @@ def _rank_main(
     steps: int,
     timeout: float,
     datapaths: Sequence[str],
+    warmup: int,
     out: Any,
 ) -> None:
     from checkmate.wire import CHECKMATE_UDP_PORT
 
     workers = [(f"127.0.0.{10 + r}", CHECKMATE_UDP_PORT) for r in range(world)]
-    out.put((rank, rank_benchmark(rank, f"file://{store}", workers, mib, reps, steps, timeout, datapaths)))
+    result = rank_benchmark(rank, f"file://{store}", workers, mib, reps, steps, timeout, datapaths, warmup)
+    out.put((rank, result))
 
 
 def run(
-    world: int, mib: int, reps: int, steps: int, timeout: float = 600.0, datapaths: Sequence[str] = DATAPATHS
+    world: int,
+    mib: int,
+    reps: int,
+    steps: int,
+    timeout: float = 600.0,
+    datapaths: Sequence[str] = DATAPATHS,
+    warmup: int = 0,
 ) -> dict[str, Any]:
     """One world size on loopback: its table row."""
     ctx = mp.get_context("spawn")
@@ -265,7 +284,7 @@ def run(
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(r, world, f"{tmp}/store", mib, reps, steps, timeout, tuple(datapaths), out),
+                args=(r, world, f"{tmp}/store", mib, reps, steps, timeout, tuple(datapaths), warmup, out),
             )
             for r in range(world)
         ]
@@ -299,6 +318,7 @@ def rank_from_spec(path: pathlib.Path) -> int:
         spec["steps"],
         spec["timeout"],
         tuple(spec.get("datapaths", DATAPATHS[:1])),
+        spec.get("warmup", 0),
     )
     out = pathlib.Path(spec["result"])
     tmp = out.with_suffix(".tmp")
@@ -341,6 +361,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reps", type=_positive, default=7, help="interleaved repetitions of each all-reduce"
     )
+    parser.add_argument(
+        "--warmup",
+        type=_non_negative,
+        default=DEFAULT_WARMUP,
+        help="untimed interleaved repetitions first (the ring's result buffers are reused from the 6th on)",
+    )
     parser.add_argument("--steps", type=_non_negative, default=10, help="DDP steps per system (0: none)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one world size may take")
 
@@ -373,7 +399,13 @@ def start_document(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "mode": mode,
         "machine_cores": os.cpu_count(),
-        "settings": {"mib": args.mib, "reps": args.reps, "steps": args.steps, "worlds": args.worlds},
+        "settings": {
+            "mib": args.mib,
+            "reps": args.reps,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "worlds": args.worlds,
+        },
         "interleaved": True,
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
     }
@@ -414,7 +446,9 @@ def main(argv: list[str] | None = None) -> int:
         return rank_from_spec(args.rank_spec)
     document = start_document("loopback", args)
     document["datapaths"] = list(datapaths)
-    document["rows"] = [run(w, args.mib, args.reps, args.steps, args.timeout, datapaths) for w in args.worlds]
+    document["rows"] = [
+        run(w, args.mib, args.reps, args.steps, args.timeout, datapaths, args.warmup) for w in args.worlds
+    ]
     finish_document(document, args.out)
     return 0
 

@@ -52,6 +52,7 @@ def run_network(
     timeout: float,
     work_dir: pathlib.Path | None = None,
     prefix: Sequence[str] = (),
+    warmup: int = 0,
 ) -> dict[str, Any]:
     """Every world size through the emulated network: rows, errors, the switch's drop counters.
 
@@ -85,6 +86,7 @@ def run_network(
                     "workers": addresses,
                     "mib": mib,
                     "reps": reps,
+                    "warmup": warmup,
                     "steps": steps,
                     "timeout": timeout,
                     "result": str(folder / f"rank{rank}.json"),
@@ -144,7 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     try:
         found = run_network(
-            args.topology, args.worlds, args.mib, args.reps, args.steps, args.timeout, args.work_dir
+            args.topology,
+            args.worlds,
+            args.mib,
+            args.reps,
+            args.steps,
+            args.timeout,
+            args.work_dir,
+            warmup=args.warmup,
         )
     except KeyboardInterrupt:
         print("interrupted: the ranks stopped, the network taken down")  # noqa: T201

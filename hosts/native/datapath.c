@@ -74,6 +74,7 @@
 #define OUT_FLUSH 64
 #define GSO_MAX_SEGMENTS 64
 #define MAX_UDP_PAYLOAD 65507
+#define DR_SEGMENTS 7 /* most datagrams of one GRO read placed directly: a GSO run's (MAX_UDP_PAYLOAD) */
 
 /* ---- counters (names as in Transport.stats()) ------------------------------------------- */
 enum {
@@ -85,7 +86,7 @@ enum {
     C_DROP_NOT_RING_PREDECESSOR, C_DROP_STALE_ITERATION, C_DROP_FUTURE_ITERATION, C_DROP_STASH_FULL,
     C_DROP_OUT_OF_RANGE, C_DROP_DTYPE_MISMATCH, C_DROP_UNEXPECTED_SLOT, C_HOST_COPIES,
     C_FAULT_SEND_DROP, C_FAULT_RECV_DROP, C_FAULT_DUPLICATE, C_FAULT_REORDER,
-    C_NATIVE_BURSTS, C_NATIVE_WAKEUPS, C_PYTHON_EVENTS,
+    C_NATIVE_BURSTS, C_NATIVE_WAKEUPS, C_PYTHON_EVENTS, C_NATIVE_DIRECT, C_NATIVE_DIRECT_MISS,
     C_COUNT
 };
 static const char *counter_names[C_COUNT] = {
@@ -97,7 +98,8 @@ static const char *counter_names[C_COUNT] = {
     "drop.not_ring_predecessor", "drop.stale_iteration", "drop.future_iteration", "drop.stash_full",
     "drop.out_of_range", "drop.dtype_mismatch", "drop.unexpected_slot", "host_copies",
     "fault.send_drop", "fault.recv_drop", "fault.duplicate", "fault.reorder",
-    "native.bursts", "native.wakeups", "native.python_events"};
+    "native.bursts", "native.wakeups", "native.python_events", "native.direct_datagrams",
+    "native.direct_misses"};
 /* ring counters kept per job as well (RingAllReduce.stats()) */
 #define RING_FIRST C_DROP_NOT_RING_PREDECESSOR
 #define RING_LAST C_HOST_COPIES
@@ -261,6 +263,11 @@ typedef struct {
     uint32_t n_spare_items;
     struct Stash *spare_stash; /* freed stash entries (all of the largest size), kept for reuse */
     uint32_t n_spare_stash;
+    /* direct receive (rx_main): the predecessor's next DATA is expected to be the final of this
+     * ring op's own-chunk slot (set by ring_apply on each such final, cleared on a miss) */
+    int dr_on;
+    uint32_t dr_job, dr_iteration, dr_bucket, dr_slot;
+    uint8_t dr_hdr[DR_SEGMENTS][HDR];
 } Engine;
 
 static double mono(void) {
@@ -1131,8 +1138,23 @@ static void ring_add_into(Op *op, uint64_t lo, uint32_t count, const uint8_t *pa
     }
 }
 
-/* RingAllReduce._apply for one checked DATA datagram. */
-static void ring_apply(Engine *e, Job *j, Op *op, const uint8_t *d, size_t n) {
+/* Direct receive: after the final of own-chunk slot ``slot``, the predecessor's next datagram is
+ * most likely the final of ``slot + 1`` (it forwards in slot order), so rx_main reads the next
+ * message with that slot's place in ``work`` as the payload's iovec. Only where nothing reads
+ * those bytes before that slot's final is stored: the own chunk was sent from a separate source
+ * (fp32 SUM), and a slot still in state 0 has no other reader (sends, repairs and the caller's
+ * result read only FINAL slots). */
+static void expect_next(Engine *e, Job *j, Op *op, uint32_t slot) {
+    e->dr_on = op->has_source && slot + 1 < op->first_slot[j->rank + 1];
+    e->dr_job = j->id;
+    e->dr_iteration = op->iteration;
+    e->dr_bucket = op->bucket;
+    e->dr_slot = slot + 1;
+}
+
+/* RingAllReduce._apply for one checked DATA datagram: header ``d``, its payload at ``payload``
+ * (d + HDR, or where a direct receive put it: already in its place in ``work``). */
+static void ring_apply(Engine *e, Job *j, Op *op, const uint8_t *d, const uint8_t *payload, size_t n) {
     uint64_t lo = rd32(d + 20);
     uint32_t count = rd32(d + 24);
     uint32_t per = MAX_PAYLOAD / (uint32_t)op->itemsize;
@@ -1149,7 +1171,6 @@ static void ring_apply(Engine *e, Job *j, Op *op, const uint8_t *d, size_t n) {
         ring_count(e, j, C_DROP_OUT_OF_RANGE);
         return;
     }
-    const uint8_t *payload = d + HDR;
     int chunk = (int)op->chunk[slot], r = j->rank, world = j->world;
     int state = op->state[slot];
     if (chunk == (r + 1) % world) {
@@ -1165,8 +1186,10 @@ static void ring_apply(Engine *e, Job *j, Op *op, const uint8_t *d, size_t n) {
             ring_count(e, j, C_DROP_UNEXPECTED_SLOT);
             return;
         }
-        memcpy(op->work + lo * (uint64_t)op->itemsize, payload, (size_t)count * (size_t)op->itemsize);
+        uint8_t *dst = op->work + lo * (uint64_t)op->itemsize;
+        if (dst != payload) memcpy(dst, payload, (size_t)count * (size_t)op->itemsize);
         finalize(e, op, (uint32_t)slot);
+        if (chunk == r) expect_next(e, j, op, (uint32_t)slot);
         if (chunk != (r + 2) % world) ring_send(e, j, op, (uint32_t)slot, 0, 0);
     } else if (state == 0) {
         ring_add_into(op, lo, count, payload);
@@ -1207,7 +1230,7 @@ static void stash_free(Engine *e, Stash *s) {
 }
 
 /* RingAllReduce._on_fields after the transport accepted the datagram. */
-static void ring_data(Engine *e, Job *j, const uint8_t *d, size_t n) {
+static void ring_data(Engine *e, Job *j, const uint8_t *d, const uint8_t *payload, size_t n) {
     if (rd16(d + 14) != (uint32_t)j->prev_rank) {
         ring_count(e, j, C_DROP_NOT_RING_PREDECESSOR);
         return;
@@ -1232,7 +1255,8 @@ static void ring_data(Engine *e, Job *j, const uint8_t *d, size_t n) {
             s->iteration = iteration;
             s->bucket = bucket;
             s->len = n;
-            memcpy(s->data, d, n);
+            memcpy(s->data, d, HDR);
+            memcpy(s->data + HDR, payload, n - HDR);
             s->next = j->stash;
             j->stash = s;
             j->stash_bytes += plen;
@@ -1244,19 +1268,26 @@ static void ring_data(Engine *e, Job *j, const uint8_t *d, size_t n) {
         ring_count(e, j, C_DROP_STALE_ITERATION);
         return;
     }
-    ring_apply(e, j, op, d, n);
+    ring_apply(e, j, op, d, payload, n);
 }
 
 /* ---- the datagram parser ------------------------------------------------------------------ */
-static void raw_event(Engine *e, const uint8_t *d, size_t n, const struct sockaddr_in *addr, int kind) {
+static void raw_event(Engine *e, const uint8_t *d, const uint8_t *payload, size_t n,
+                      const struct sockaddr_in *addr, int kind) {
     Event *ev = event_new(e, kind, n);
     if (ev == NULL) return;
-    memcpy(ev->data, d, n);
+    if (n <= HDR || payload == d + HDR) {
+        memcpy(ev->data, d, n);
+    } else {
+        memcpy(ev->data, d, HDR);
+        memcpy(ev->data + HDR, payload, n - HDR);
+    }
     ev->addr = *addr;
 }
 
-/* Receiver._handle for one datagram of ``n`` bytes. */
-static void handle(Engine *e, const uint8_t *d, size_t n, const struct sockaddr_in *addr) {
+/* Receiver._handle for one datagram of ``n`` bytes: its header at ``d``, the rest at ``payload``
+ * (d + HDR, except for a DATA datagram received straight into a ring op's result). */
+static void handle(Engine *e, const uint8_t *d, const uint8_t *payload, size_t n, const struct sockaddr_in *addr) {
     if (e->faults && e->f_recv_drop > 0 && rng_next(e) < e->f_recv_drop) {
         e->counters[C_FAULT_RECV_DROP]++;
         return;
@@ -1280,8 +1311,8 @@ static void handle(Engine *e, const uint8_t *d, size_t n, const struct sockaddr_
             return;
         }
         if (!accept_data(e, j->id, rd32(d + 28), addr)) return;
-        if (j->ring) ring_data(e, j, d, n);
-        else raw_event(e, d, n, addr, EV_DATA);
+        if (j->ring) ring_data(e, j, d, payload, n);
+        else raw_event(e, d, payload, n, addr, EV_DATA);
         return;
     }
     if (n >= HDR && (d[1] == T_ACK || d[1] == T_NACK)) {
@@ -1318,7 +1349,7 @@ static void handle(Engine *e, const uint8_t *d, size_t n, const struct sockaddr_
         on_ack(e, d, body, addr, d[1] == T_NACK);
         return;
     }
-    raw_event(e, d, n, addr, EV_RAW); /* the Python path's own checks and counters */
+    raw_event(e, d, payload, n, addr, EV_RAW); /* the Python path's own checks and counters */
 }
 
 /* ---- timers ------------------------------------------------------------------------------- */
@@ -1472,6 +1503,109 @@ static void reap_zombies(Engine *e) {
 }
 
 /* ---- the thread --------------------------------------------------------------------------- */
+static int gro_segment(struct msghdr *m) {
+    int segment = 0;
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(m); cm; cm = CMSG_NXTHDR(m, cm))
+        if (cm->cmsg_level == SOL_UDP && cm->cmsg_type == UDP_GRO && cm->cmsg_len >= CMSG_LEN(sizeof(int)))
+            memcpy(&segment, CMSG_DATA(cm), sizeof segment);
+    return segment;
+}
+
+/* One message read contiguously into ``buf``: a GRO run split by its segment size. */
+static void handle_message(Engine *e, const uint8_t *buf, size_t n, int segment, const struct sockaddr_in *addr) {
+    if (segment > 0 && (size_t)segment < n) {
+        for (size_t start = 0; start < n; start += (size_t)segment) {
+            size_t len = n - start < (size_t)segment ? n - start : (size_t)segment;
+            handle(e, buf + start, buf + start + HDR, len, addr);
+        }
+    } else {
+        handle(e, buf, buf + HDR, n, addr);
+    }
+    if (e->nout >= OUT_FLUSH) flush_out(e);
+}
+
+/* Read one message straight into the ring op's result where expect_next predicted it: the
+ * headers of up to DR_SEGMENTS datagrams into dr_hdr, each payload into its slot's place in
+ * ``work``, anything beyond into rxbuf. When every datagram of the message is the predicted one
+ * (type, job, iteration, bucket, offset, count, dtype and size), each is handled where it lies
+ * (the checks, flows and ACKs as for any datagram; the final is not copied again). Otherwise its
+ * bytes are gathered into one buffer and handled as any message: the payloads written into the
+ * predicted slots landed only in slots in state 0 (read by nothing before their own final is
+ * stored), and stay in state 0 until their own datagram arrives. Returns 1 (a message was read),
+ * 0 (no prediction: read in batches), -1 (nothing to read). With the mutex held. */
+static int direct_read(Engine *e) {
+    if (!e->dr_on) return 0;
+    Job *j = find_job(e, e->dr_job);
+    Op *op = j != NULL && j->ring ? find_op(j, e->dr_iteration, e->dr_bucket) : NULL;
+    uint32_t first = e->dr_slot, count = 0;
+    if (op != NULL && !op->done && !op->failed && op->has_source) {
+        uint32_t end = op->first_slot[j->rank + 1];
+        while (count < DR_SEGMENTS && first + count < end && op->state[first + count] == 0) count++;
+    }
+    if (count == 0) {
+        e->dr_on = 0;
+        return 0;
+    }
+    struct iovec iov[2 * DR_SEGMENTS + 1];
+    size_t expect[DR_SEGMENTS];
+    uint8_t *place[DR_SEGMENTS];
+    int niov = 0;
+    for (uint32_t k = 0; k < count; k++) {
+        place[k] = op->work + op->offsets[first + k] * (uint64_t)op->itemsize;
+        expect[k] = (size_t)op->counts[first + k] * (size_t)op->itemsize;
+        iov[niov++] = (struct iovec){e->dr_hdr[k], HDR};
+        iov[niov++] = (struct iovec){place[k], expect[k]};
+    }
+    iov[niov++] = (struct iovec){e->rxbuf, RX_BUF};
+    struct sockaddr_in addr;
+    char control[CMSG_SPACE(sizeof(int))];
+    struct msghdr msg;
+    memset(&msg, 0, sizeof msg);
+    msg.msg_name = &addr;
+    msg.msg_namelen = sizeof addr;
+    msg.msg_iov = iov;
+    msg.msg_iovlen = (size_t)niov;
+    if (e->gro) {
+        msg.msg_control = control;
+        msg.msg_controllen = sizeof control;
+    }
+    ssize_t got = recvmsg(e->fd, &msg, MSG_DONTWAIT);
+    if (got < 0) {
+        if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) e->counters[C_RECV_ERROR]++;
+        return -1;
+    }
+    size_t n = (size_t)got;
+    if (msg.msg_namelen < sizeof(struct sockaddr_in) || addr.sin_family != AF_INET) return 1;
+    int segment = e->gro ? gro_segment(&msg) : 0;
+    size_t seg = segment > 0 && (size_t)segment < n ? (size_t)segment : n;
+    size_t m = n ? (n + seg - 1) / seg : 0;
+    int match = m >= 1 && m <= count;
+    for (size_t k = 0; match && k < m; k++) {
+        size_t len = k + 1 < m ? seg : n - k * seg;
+        const uint8_t *h = e->dr_hdr[k];
+        match = len == HDR + expect[k] && h[1] == T_DATA && rd32(h + 4) == j->id &&
+                rd32(h + 8) == op->iteration && rd16(h + 12) == op->bucket && h[3] == op->dtype &&
+                rd32(h + 20) == op->offsets[first + k] && rd32(h + 24) == op->counts[first + k];
+    }
+    if (match) {
+        e->counters[C_NATIVE_DIRECT] += m;
+        for (size_t k = 0; k < m; k++) handle(e, e->dr_hdr[k], place[k], HDR + expect[k], &addr);
+        if (e->nout >= OUT_FLUSH) flush_out(e);
+        return 1;
+    }
+    e->counters[C_NATIVE_DIRECT_MISS]++;
+    e->dr_on = 0;
+    uint8_t *buf = e->rxbuf + RX_BUF; /* the gathered message; the iovecs' last piece is rxbuf */
+    size_t at = 0;
+    for (int i = 0; i < niov && at < n; i++) {
+        size_t take = n - at < iov[i].iov_len ? n - at : iov[i].iov_len;
+        memcpy(buf + at, iov[i].iov_base, take);
+        at += take;
+    }
+    handle_message(e, buf, n, segment, &addr);
+    return 1;
+}
+
 static void *rx_main(void *arg) {
     Engine *e = arg;
     pthread_setname_np(pthread_self(), "cm-native");
@@ -1531,6 +1665,12 @@ static void *rx_main(void *arg) {
         e->counters[C_NATIVE_BURSTS]++;
         int reads = 0;
         while (reads < BURST_READS) {
+            int direct = direct_read(e);
+            if (direct > 0) {
+                reads++;
+                continue;
+            }
+            if (direct < 0) break;
             for (int i = 0; i < RX_VLEN; i++) {
                 iovs[i].iov_base = e->rxbuf + (size_t)i * RX_BUF;
                 iovs[i].iov_len = RX_BUF;
@@ -1553,27 +1693,11 @@ static void *rx_main(void *arg) {
             for (int i = 0; i < got; i++) {
                 size_t n = msgs[i].msg_len;
                 const uint8_t *buf = e->rxbuf + (size_t)i * RX_BUF;
-                int segment = 0;
-                if (e->gro) {
-                    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msgs[i].msg_hdr); cm;
-                         cm = CMSG_NXTHDR(&msgs[i].msg_hdr, cm)) {
-                        if (cm->cmsg_level == SOL_UDP && cm->cmsg_type == UDP_GRO &&
-                            cm->cmsg_len >= CMSG_LEN(sizeof(int)))
-                            memcpy(&segment, CMSG_DATA(cm), sizeof segment);
-                    }
-                }
+                int segment = e->gro ? gro_segment(&msgs[i].msg_hdr) : 0;
                 if (msgs[i].msg_hdr.msg_namelen < sizeof(struct sockaddr_in) ||
                     addrs[i].sin_family != AF_INET)
                     continue;
-                if (segment > 0 && (size_t)segment < n) {
-                    for (size_t start = 0; start < n; start += (size_t)segment) {
-                        size_t len = n - start < (size_t)segment ? n - start : (size_t)segment;
-                        handle(e, buf + start, len, &addrs[i]);
-                    }
-                } else {
-                    handle(e, buf, n, &addrs[i]);
-                }
-                if (e->nout >= OUT_FLUSH) flush_out(e);
+                handle_message(e, buf, n, segment, &addrs[i]);
             }
             reads += got;
             if (got < RX_VLEN) break;
@@ -2033,7 +2157,7 @@ static PyObject *Engine_op_start(Engine *e, PyObject *args) {
     while (ordered) {
         Stash *next = ordered->next;
         j->stash_bytes -= ordered->len - HDR;
-        if (!op->failed) ring_apply(e, j, op, ordered->data, ordered->len);
+        if (!op->failed) ring_apply(e, j, op, ordered->data, ordered->data + HDR, ordered->len);
         stash_free(e, ordered);
         ordered = next;
     }
