@@ -34,17 +34,20 @@ NET = f"127.{os.getpid() % 200 + 20}.{(os.getpid() // 200 + 101) % 250}"
 """This test process's own loopback /24 (shadows .70/.71, workers .80+)."""
 
 
-def _model(seed: int) -> torch.nn.Module:
-    from torch.distributed.fsdp import fully_shard
+def _model(seed: int, mixed: bool = False) -> torch.nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 7), torch.nn.Linear(7, 4)
     )
+    # mixed precision as FSDP2 does it: bf16 compute and bf16 reduce-scatters, fp32 parameters and step
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if mixed else None
+    kwargs = {"mp_policy": policy} if policy is not None else {}
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     return model
 
 
@@ -80,9 +83,10 @@ def _job(rank: int, world: int, env: dict[str, str], port: int, scenario: dict[s
     )
     options = CheckmateBackendOptions(bind=f"{NET}.{80 + rank}", peer_timeout=3.0)
     dist.init_process_group("checkmate", pg_options=options)
-    model = _model(scenario.get("seed", 0))
+    model = _model(scenario.get("seed", 0), bool(scenario.get("mixed")))
     optimizer = _optimizer(scenario["optimizer"], model)
     point = resume_fsdp(model, optimizer, timeout=10.0) if scenario.get("resume") else None
+    restored = _gathered(model, optimizer) if point is not None else None
     config = dataclasses.replace(CheckmateConfig.from_env(), keep_iterations=64)
     agent = enable_checkmate_fsdp(model, optimizer, config, resume=point)
     first = point.iteration if point is not None else 0
@@ -91,7 +95,7 @@ def _job(rank: int, world: int, env: dict[str, str], port: int, scenario: dict[s
             1000 * rank + step
         )  # the same batches when an iteration is redone
         x = torch.randn(8, 16, generator=data)
-        loss = model(x).square().mean()
+        loss = model(x).float().square().mean()
         loss.backward()
         if scenario.get("clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
@@ -113,7 +117,10 @@ def _job(rank: int, world: int, env: dict[str, str], port: int, scenario: dict[s
         "certified": certified,
         "divergences": agent.divergences,
         "first": first,
+        "restored": restored,
         "commits": [(c.iteration, c.clip_coefficient, c.gradient_scaling) for c in agent.commits],
+        "tags": [(t.iteration, t.bucket_id, t.element_offset, t.element_count) for t in agent.ring.tag_log],
+        "bucket_numels": [comm.numel for comm in agent.comms],
     }
     agent.close()
     dist.destroy_process_group()
@@ -174,24 +181,31 @@ def _shadow_state(nodes: list[ShadowNode]) -> tuple[dict[str, Any], dict[str, An
 
 @pytest.mark.parametrize(
     "scenario",
-    [{"optimizer": "sgd"}, {"optimizer": "adamw", "clip": True}],
-    ids=["sgd", "adamw-clipped"],
+    [
+        {"optimizer": "sgd"},
+        {"optimizer": "adamw", "clip": True},
+        {"optimizer": "adamw", "world": 3},
+        {"optimizer": "adamw", "mixed": True},
+    ],
+    ids=["sgd", "adamw-clipped", "adamw-3-ranks", "adamw-bf16-mixed-precision"],
 )
 def test_shadows_hold_the_sharded_jobs_full_state_bit_for_bit(scenario: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     nodes = _shadows()
     try:
-        results = run_ranks(_job, 2, _env(nodes), listen_port(), scenario, timeout=120)
+        results = run_ranks(_job, scenario.get("world", 2), _env(nodes), listen_port(), scenario, timeout=180)
         for node in nodes:
             assert node.wait_applied(STEPS - 1, 10.0), node.status()
         r0 = results[0]
         assert r0["certified"] and r0["divergences"] == []
-        _assert_same_state(r0, results[1]["params"], results[1]["state"])  # every rank gathers the same
+        for result in results[1:]:
+            _assert_same_state(r0, result["params"], result["state"])  # every rank gathers the same
         params, states = _shadow_state(nodes)
         _assert_same_state(r0, params, states)
         for node in nodes:
             status = node.status()
             assert status["divergences"] == 0 and status["fingerprints_checked"] >= STEPS, status
+        _assert_tagged_once_on_the_hop_to_the_owner(results)
         if scenario.get("clip"):  # the clipping was recorded and replayed (not a no-op)
             assert all(c[1] is not None or c[2] for c in r0["commits"]), r0["commits"]
     finally:
@@ -254,6 +268,30 @@ def test_a_layout_whose_segments_do_not_tile_a_parameter_is_refused_and_segments
     assert decoded == layout, decoded
 
 
+def _assert_tagged_once_on_the_hop_to_the_owner(results: list[dict[str, Any]]) -> None:
+    """Every element of every bucket of every iteration tagged exactly once, by the rank before its owner."""
+    world = len(results)
+    numels = results[0]["bucket_numels"]
+    covered: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for rank, result in enumerate(results):
+        owner = (rank + 1) % world  # the tagged hop goes from rank to rank + 1, the shard's owner
+        for iteration, bucket, offset, count in result["tags"]:
+            per_rank = numels[bucket] // world
+            assert owner * per_rank <= offset and offset + count <= (owner + 1) * per_rank, (
+                rank,
+                bucket,
+                offset,
+            )
+            covered.setdefault((iteration, bucket), []).append((offset, count))
+    assert set(covered) == {(i, b) for i in range(STEPS) for b in range(len(numels))}
+    for (iteration, bucket), ranges in covered.items():
+        position = 0
+        for offset, count in sorted(ranges):
+            assert offset == position, (iteration, bucket, sorted(ranges))
+            position += count
+        assert position == numels[bucket], (iteration, bucket)
+
+
 def _run_allowing_a_killed_rank(env: dict[str, str], scenario: dict[str, Any]) -> dict[int, Any]:
     """Both ranks of :func:`_job`; a rank killed by SIGKILL reports nothing (the others' results only)."""
     out = _CTX.Queue()
@@ -294,6 +332,33 @@ def test_a_killed_rank_resumes_from_the_shadows_bit_identical_to_the_uninterrupt
         _assert_same_state(whole, r0["params"], r0["state"])
         params, states = _shadow_state(nodes)
         _assert_same_state(whole, params, states)
+    finally:
+        for node in nodes:
+            node.close()
+
+
+def test_a_job_killed_at_2_ranks_resumes_at_3_from_the_shadows_full_state() -> None:
+    """Re-sharding: the certified full state loads into 3 ranks' shards, and the shadows follow on."""
+    torch.set_num_threads(1)
+    scenario = {"optimizer": "adamw"}
+    nodes = _shadows()
+    try:
+        env = _env(nodes)
+        killed = _run_allowing_a_killed_rank(env, {**scenario, "kill_after": 1})
+        assert killed[0]["certified"], killed
+        certified_params, certified_states = _shadow_state(nodes)
+        resumed = run_ranks(_job, 3, env, listen_port(), {**scenario, "resume": True, "seed": 7}, timeout=180)
+        r0 = resumed[0]
+        assert r0["first"] == 2, r0["first"]
+        _assert_same_state(
+            r0["restored"], certified_params, certified_states
+        )  # gathered from 3 ranks' shards
+        assert r0["certified"] and r0["divergences"] == []
+        params, states = _shadow_state(nodes)
+        _assert_same_state(r0, params, states)
+        for node in nodes:
+            status = node.status()
+            assert status["divergences"] == 0 and status["fingerprints_checked"] >= STEPS - 2, status
     finally:
         for node in nodes:
             node.close()
