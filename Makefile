@@ -15,7 +15,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.checkmate-setup
-APT_PACKAGES := mininet ethtool iproute2 iputils-ping tcpdump
+APT_PACKAGES := mininet ethtool iproute2 iputils-ping tcpdump nfs-ganesha nfs-ganesha-vfs rpcbind libnfs13
 TORCH_VERSION := 2.13.0
 # Where pip finds torch. Empty: pip's configured indexes only. TORCH_INDEX=<url> adds a
 # package index of your choice (e.g. PyTorch's CPU wheel index) before them, so a machine

@@ -2,7 +2,7 @@
 
     python -m experiments.bench [--workloads tinylm,large-state] [--placement partitioned,colocated]
         [--worker-cpus 0 --infra-cpus 1] [--sweep-k 1,2,4,8,16] [--iterations N] [--k 10]
-        [--rounds 3] [--workers 3] [--systems a,b,...]
+        [--rounds 3] [--workers 3] [--systems a,b,...] [--storage local|remote]
 
 For each workload (``WORKLOADS``: TinyLM, and a large-state 21.7M-parameter TinyLM) and
 each placement — *partitioned*: the workers pinned to one CPU set, the switch, supervisor,
@@ -74,6 +74,7 @@ from experiments.bench.config import (
     MAX_WORKERS,
     MIN_WORKERS,
     PLACEMENTS,
+    STORAGES,
     WORKLOADS,
     BenchConfig,
     BenchError,
@@ -169,6 +170,26 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip measuring the emulation's own fabric and storage bandwidths at the start of each run",
     )
+    parser.add_argument(
+        "--storage",
+        choices=STORAGES,
+        default=defaults.storage,
+        help="where the peers' checkpoints (and the shadows' snapshots) go: local (this machine's disk) or "
+        "remote (an NFS server, nfs-ganesha, on its own host of the emulated network, its link shaped "
+        "with tbf to --storage-cluster's checkpoint-write-to-all-reduce time ratio)",
+    )
+    parser.add_argument(
+        "--storage-cluster",
+        default=defaults.storage_cluster,
+        help="remote: the cluster configuration of checkmate-ctl plan --compare whose ratio shapes the "
+        f"storage link (default {defaults.storage_cluster})",
+    )
+    parser.add_argument(
+        "--storage-mbit",
+        type=float,
+        default=None,
+        help="remote: the storage link's rate in Mbit/s instead of the cited ratio's",
+    )
     parser.add_argument("--target", choices=["embedded", "bmv2"], default=defaults.target)
     parser.add_argument(
         "--switch-name",
@@ -220,6 +241,25 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
         raise BenchError(f"--syscalls must be 0 (off) to 10000 iterations, got {args.syscalls}")
     if args.syscalls and not SyscallWindow.available():
         raise BenchError("--syscalls needs strace on PATH (apt-get install strace)")
+    if args.storage == "remote":
+        from controller.cluster_compare import CONFIGS
+        from experiments.bench.storage_host import ganesha_missing
+
+        if args.storage_cluster not in CONFIGS:
+            raise BenchError(
+                f"--storage-cluster: unknown {args.storage_cluster!r} (known: {', '.join(CONFIGS)})"
+            )
+        if args.storage_mbit is not None and not 0 < args.storage_mbit <= 100_000:
+            raise BenchError(f"--storage-mbit must be above 0 and at most 100000, got {args.storage_mbit}")
+        missing = ganesha_missing()
+        if missing is None:
+            from checkmate.nfs import available
+
+            missing = available()
+        if missing is not None:
+            raise BenchError(f"--storage remote: {missing}")
+    elif args.storage_mbit is not None:
+        raise BenchError("--storage-mbit needs --storage remote")
     if not 1 <= args.k <= sweep.MAX_SWEEP_K or (args.rounds is not None and not 1 <= args.rounds <= 100):
         raise BenchError(f"--k must be 1 to {sweep.MAX_SWEEP_K} and --rounds 1 to 100")
     try:
@@ -284,6 +324,9 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
                     partition=cpus if placement == "partitioned" else None,
                     sweep_ks=ks,
                     syscall_iterations=args.syscalls,
+                    storage=args.storage,
+                    storage_cluster=args.storage_cluster,
+                    storage_mbit=args.storage_mbit,
                     measure_emulation=not args.no_emulation_check,
                     global_batch=workload.per_worker_batch * args.workers,
                     model_args=workload.model_args,

@@ -148,6 +148,7 @@ WORKLOADS = {
     )
 }  # fmt: skip
 PLACEMENTS = ("partitioned", "colocated")
+STORAGES = ("local", "remote")
 
 SHADOW_DISK = """The shadows hold every iteration in memory (each of the 2 holds one shard) and persist it to
 their own disk in the background (checkmate-shadow --snapshot-every/--snapshot-seconds). In a deployment
@@ -205,6 +206,14 @@ class BenchConfig:
     """Checkpoint intervals swept for each of SWEEP_PEERS (run in the partitioned placement only)."""
     measure_emulation: bool = True
     """Measure the fabric and the peers' storage before the systems run (experiments.bench.emulation)."""
+    storage: str = "local"
+    """Where the peers write their checkpoints and the shadows their snapshots: ``local`` (this machine's
+    disk, the page cache in front) or ``remote`` (the storage host's NFS export, its link shaped to a
+    cited cluster's write-to-all-reduce ratio: experiments.bench.storage_host)."""
+    storage_cluster: str = "llama3-405b"
+    """``remote``: the cluster configuration (controller.cluster_compare) whose ratio shapes the link."""
+    storage_mbit: float | None = None
+    """``remote``: the link's rate in Mbit/s instead of the cited ratio's (None: the ratio's)."""
     syscall_iterations: int = 0
     """Count the workers' system calls (``strace -c -f``) over this many iterations at the end of each
     run (0: not at all); the CPU figures then stop where the window starts (strace slows the calls)."""

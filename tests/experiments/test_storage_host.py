@@ -1,0 +1,232 @@
+"""The bench's remote storage: nfs-ganesha in a namespace of its own, written through checkmate.nfs.
+
+The server runs in a network namespace this test makes (a veth pair to the test's own
+namespace, addresses in 10.254.0.0/29), exporting a small tmpfs so that "full" is reachable;
+the client is libnfs through :mod:`checkmate.nfs`. Skipped with the reason when not root or
+when nfs-ganesha, its VFS backend or libnfs is not installed (``make setup`` installs them).
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from checkmate import nfs
+from experiments.bench import storage_host
+from experiments.bench.storage_host import EXPORT_PSEUDO, NFSServer, StorageHostError
+
+EXPORT_MIB = 48
+
+
+def _missing() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (a network namespace, a tmpfs mount)"
+    return storage_host.ganesha_missing() or nfs.available()
+
+
+needs_server = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+
+
+def _run(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True, timeout=15)
+
+
+@dataclass
+class Served:
+    server: NFSServer
+    address: str
+    export_dir: Path
+    namespace: str
+
+    def url(self, path: str) -> str:
+        return f"nfs://{self.address}{EXPORT_PSEUDO}/{path.lstrip('/')}"
+
+    def client(self, timeout: float = 20.0) -> nfs.NFSClient:
+        return nfs.NFSClient(self.address, EXPORT_PSEUDO, timeout)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    if _missing():
+        pytest.skip(str(_missing()))
+    work = tmp_path_factory.mktemp("nfs")
+    tag = f"cmnfs{os.getpid() % 100000}"
+    namespace, outside, inside = tag, f"{tag}a", f"{tag}b"
+    export_dir = work / "export"
+    export_dir.mkdir()
+    created: list[list[str]] = []
+    server = NFSServer(export_dir, work / "state", prefix=("ip", "netns", "exec", namespace))
+    try:
+        _run("mount", "-t", "tmpfs", "-o", f"size={EXPORT_MIB}m,mode=0755", "tmpfs", str(export_dir))
+        created.append(["umount", "-l", str(export_dir)])
+        _run("ip", "netns", "add", namespace)
+        created.append(["ip", "netns", "del", namespace])
+        _run("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
+        created.append(["ip", "link", "del", outside])
+        _run("ip", "link", "set", inside, "netns", namespace)
+        _run("ip", "addr", "add", "10.254.0.1/29", "dev", outside)
+        _run("ip", "link", "set", outside, "up")
+        for argv in (["addr", "add", "10.254.0.2/29", "dev", inside], ["link", "set", inside, "up"],
+                     ["link", "set", "lo", "up"]):  # fmt: skip
+            _run("ip", "netns", "exec", namespace, "ip", *argv)
+        server.start()
+        yield Served(server, "10.254.0.2", export_dir, namespace)
+    finally:
+        server.stop()
+        for argv in reversed(created):
+            subprocess.run(argv, capture_output=True, timeout=15, check=False)
+
+
+def _state(seed: int = 0) -> dict[str, object]:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "weight": torch.randn(512, 1024, generator=generator),  # 2 MiB
+        "step": torch.tensor([7], dtype=torch.int64),
+        "iteration": 12,
+    }
+
+
+@needs_server
+def test_torch_save_writes_the_same_bytes_to_the_export_as_to_a_local_file(served: Served) -> None:
+    import torch
+
+    state = _state()
+    with served.client() as client:
+        client.makedirs("/ts")
+        nfs.write_atomically(client, "/ts/checkpoint.pt", lambda f: torch.save(state, f))
+        assert client.listdir("/ts") == ["checkpoint.pt"]  # the temporary file was renamed
+        with client.open("/ts/checkpoint.pt") as raw:
+            loaded = torch.load(raw, weights_only=True)
+    local = io.BytesIO()
+    torch.save(state, local)  # a file object, as the NFS file is (a path would name the archive after it)
+    assert (served.export_dir / "ts" / "checkpoint.pt").read_bytes() == local.getvalue()
+    assert torch.equal(loaded["weight"], state["weight"]) and loaded["iteration"] == 12
+
+
+@needs_server
+def test_dcp_writes_and_reads_the_export_through_fsspec(served: Served) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    from checkmate.nfs_fsspec import register
+
+    register()
+    state = _state(1)
+    url = served.url("dcp/slot-0")
+    dcp.save({"model": state}, storage_writer=FsspecWriter(url, sync_files=False), no_dist=True)
+    files = sorted(p.name for p in (served.export_dir / "dcp" / "slot-0").iterdir())
+    assert ".metadata" in files and any(name.endswith(".distcp") for name in files), files
+    target = {"model": {"weight": torch.zeros(512, 1024), "step": torch.zeros(1, dtype=torch.int64)}}
+    dcp.load(target, storage_reader=FsspecReader(url), no_dist=True)
+    assert torch.equal(target["model"]["weight"], state["weight"])
+    assert torch.equal(target["model"]["step"], state["step"])
+
+
+@needs_server
+def test_a_full_export_fails_the_write_and_leaves_no_partial_file(served: Served) -> None:
+    too_big = b"\xa5" * ((EXPORT_MIB + 8) << 20)
+    with served.client() as client:
+        client.makedirs("/full")
+        with pytest.raises(nfs.NFSError) as caught:
+            nfs.write_atomically(client, "/full/checkpoint.pt", lambda f: f.write(too_big))
+        assert caught.value.errno in (errno.ENOSPC, errno.EDQUOT), caught.value
+        assert "/full/checkpoint.pt.tmp" in str(caught.value)
+        assert client.listdir("/full") == []
+    assert list((served.export_dir / "full").iterdir()) == []
+
+
+@needs_server
+def test_a_silent_server_fails_the_write_within_the_timeout(served: Served) -> None:
+    with served.client(timeout=3.0) as client:
+        client.makedirs("/slow")
+        served.server.pause()
+        try:
+            started = time.monotonic()
+            with pytest.raises(nfs.NFSError) as caught:
+                nfs.write_atomically(client, "/slow/checkpoint.pt", lambda f: f.write(b"x" * (4 << 20)))
+            took = time.monotonic() - started
+        finally:
+            served.server.resume()
+        assert caught.value.errno == errno.ETIMEDOUT, caught.value
+        assert took < 30, took
+    with served.client() as client:
+        assert "checkpoint.pt" not in client.listdir("/slow")
+
+
+@needs_server
+def test_an_unreachable_server_fails_with_a_clear_error(served: Served) -> None:
+    started = time.monotonic()
+    with pytest.raises(nfs.NFSError) as caught:
+        nfs.NFSClient("10.254.0.3", EXPORT_PSEUDO, timeout=3.0)  # in the link's subnet, nobody there
+    assert time.monotonic() - started < 30
+    assert "10.254.0.3" in str(caught.value) and "mount" in str(caught.value)
+
+
+@needs_server
+def test_the_server_refuses_to_start_on_a_missing_backend_with_its_log(tmp_path: Path) -> None:
+    server = NFSServer(tmp_path / "export", tmp_path / "state", prefix=("false",))
+    with pytest.raises(StorageHostError, match="exited with 1"):
+        server.start(timeout=10)
+
+
+def test_the_cited_rate_keeps_llama3s_write_to_allreduce_ratio() -> None:
+    rate = storage_host.cited_rate(fabric_busbw_MBps=55.0, workers=3)
+    assert rate.cluster == "llama3-405b"
+    assert rate.write_s == pytest.approx(405e9 * 12 / 2000e9)
+    assert rate.allreduce_s == pytest.approx(2 * 127 / 128 * 405e9 / 128 * 4 / 50e9)
+    assert rate.ratio == pytest.approx(4.84, abs=0.01)
+    # a checkpoint (3 bytes per gradient byte) written in `ratio` all-reduce times of this fabric
+    bench_allreduce_per_gradient_byte = 2 * 2 / 3 / 55.0
+    assert rate.rate_MBps * rate.ratio * bench_allreduce_per_gradient_byte == pytest.approx(3.0)
+    assert rate.rate_MBps == pytest.approx(25.6, abs=0.1)
+    with pytest.raises(StorageHostError, match="busbw"):
+        storage_host.cited_rate(fabric_busbw_MBps=0.0, workers=3)
+
+
+def test_the_storage_host_gets_its_own_switch_port() -> None:
+    base = json.loads((Path(__file__).resolve().parents[2] / "topologies" / "single.json").read_text())
+    topology = storage_host.with_storage_host(base)
+    assert topology["hosts"]["st1"] == {"ip": "10.0.8.1/8", "mac": "08:00:00:00:08:01", "role": "host"}
+    assert topology["links"][-1] == ["st1", "s1-p7"]
+    assert storage_host.with_storage_host(topology) == topology
+    assert storage_host.storage_url("torch-save-1") == "nfs://10.0.8.1/checkpoints/torch-save-1"
+
+
+def test_the_token_bucket_command() -> None:
+    assert storage_host.tbf_command("bn1-p7", 204.8) == [
+        "tc", "qdisc", "replace", "dev", "bn1-p7", "root", "tbf", "rate", "204.800mbit",
+        "burst", "256000", "latency", "100ms",
+    ]  # fmt: skip
+    with pytest.raises(StorageHostError, match="positive"):
+        storage_host.tbf_command("bn1-p7", 0)
+
+
+def test_the_storage_options_are_checked_before_anything_starts() -> None:
+    from experiments.bench.cli import build_parser, config_from
+    from experiments.bench.config import BenchError
+
+    def config(*argv: str) -> object:
+        return config_from(build_parser().parse_args(["--workloads", "tinylm", *argv]), "x")
+
+    assert config().storage == "local"  # type: ignore[attr-defined]
+    with pytest.raises(BenchError, match="--storage-mbit needs --storage remote"):
+        config("--storage-mbit", "100")
+    with pytest.raises(BenchError, match="--storage-cluster: unknown 'nowhere'"):
+        config("--storage", "remote", "--storage-cluster", "nowhere")
+    with pytest.raises(BenchError, match="--storage-mbit must be above 0"):
+        config("--storage", "remote", "--storage-mbit", "0")
+    if _missing() is None:
+        remote = config("--storage", "remote", "--storage-mbit", "200")
+        assert (remote.storage, remote.storage_mbit) == ("remote", 200.0)  # type: ignore[attr-defined]
