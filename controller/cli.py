@@ -30,6 +30,7 @@ from typing import Any
 from checkmate.address import AddressError, parse_host_port
 from checkmate.job import JobSpec, JobSpecError
 from checkmate.network import Addr, Network, NetworkError
+from checkmate.p4 import names
 from checkmate.p4.program import P4INFO_PATH, Target
 from checkmate.tls import TlsFiles
 from controller.capacity_cli import add_plan_parser, positive_int, run_plan
@@ -566,10 +567,10 @@ def _show(ctl: Controller, network: Network, args: argparse.Namespace, job_id: i
     for switch, values in sorted(status.counters.items()):
         parts = [f"{name} {v.packets} / {v.bytes}" for name, v in values.items()]
         print(f"    {switch}: " + ", ".join(parts))
-    copies = status.total("shadow_copies")
-    rejected = status.total("rejected_replications")
+    copies, rejected = status.total(names.ShadowCopies.NAME), status.total(names.RejectedReplications.NAME)
     print(
-        f"  total: shadow_copies {copies.packets} / {copies.bytes}, rejected_replications {rejected.packets}"
+        f"  total: {names.ShadowCopies.NAME} {copies.packets} / {copies.bytes}, "
+        f"{names.RejectedReplications.NAME} {rejected.packets}"
     )
     if shadows is not None:
         print(f"  shadows (status on their control port, {args.shadow_timeout:g} s timeout):")

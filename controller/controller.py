@@ -26,9 +26,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from p4.config.v1 import p4info_pb2
+
 from checkmate.job import JobSpec, JobSpecError
 from checkmate.network import Network
-from checkmate.p4.p4info import P4InfoIndex
+from checkmate.p4 import names
+from checkmate.p4.conformance import check_names
+from checkmate.p4.p4info import P4InfoIndex, P4InfoNameError
 from checkmate.tls import TlsFiles
 from controller.batch import apply_change, batches_for
 from controller.counters import JOB_COUNTERS, CounterValue, read_counters
@@ -127,7 +131,9 @@ class Controller:
     def codec(self, switch: str) -> EntityCodec:
         """The entity codec for the P4Info ``switch`` runs (NoPipelineError if none)."""
         if switch not in self._codecs:
-            self._codecs[switch] = EntityCodec(P4InfoIndex(self.connection(switch).get_p4info()))
+            self._codecs[switch] = checked_codec(
+                self.connection(switch).get_p4info(), f"switch {switch}'s P4Info"
+            )
         return self._codecs[switch]
 
     def _all_codecs(self) -> dict[str, EntityCodec]:
@@ -138,10 +144,11 @@ class Controller:
         self, config: PipelineConfig, reconcile: bool = True, timeout: float = PIPELINE_TIMEOUT_S
     ) -> ReconcileReport | None:
         """Push ``config`` to every switch; then (by default) reinstall forwarding and every job."""
+        codec = checked_codec(config.p4info, "the P4Info to push")
         self.connect()
         for switch in sorted(self.network.switches):
             push_pipeline(self.connection(switch), config, timeout=timeout)
-            self._codecs[switch] = EntityCodec(P4InfoIndex(config.p4info))
+            self._codecs[switch] = codec
         return self.reconcile() if reconcile else None
 
     def install_forwarding(self) -> ReconcileReport:
@@ -346,13 +353,30 @@ class Controller:
         return JobStatus(record, counters)
 
 
+def checked_codec(info: p4info_pb2.P4Info, what: str) -> EntityCodec:
+    """The codec for ``info``, once it is known to define every name the controller uses.
+
+    ControllerError naming each missing or renamed table, action, field or counter: a switch
+    running another program is refused when the controller first meets it, not at a write.
+    """
+    index = P4InfoIndex(info)
+    try:
+        check_names(index, what)
+    except P4InfoNameError as exc:
+        raise ControllerError(str(exc)) from None
+    return EntityCodec(index)
+
+
 def _owned_by(record: JobRecord, switch: str, entity: Entity) -> bool:
     """Whether an installed entity belongs to the job: its job id, or a group/rid it holds there."""
     if isinstance(entity, MulticastGroup):
         return entity.group_id in {g for (s, _, _), g in record.groups.items() if s == switch}
     assert isinstance(entity, TableEntry)
-    if entity.table in ("lookup_job", "replicate_to_shadow"):
-        return entity.match_value("job_id") == record.job_id
-    if entity.table == "rewrite_shadow_copy":
-        return entity.match_value("egress_rid") in {r for (s, _), r in record.rids.items() if s == switch}
+    if entity.table == names.LookupJob.NAME:
+        return entity.match_value(names.LookupJob.JOB_ID) == record.job_id
+    if entity.table == names.ReplicateToShadow.NAME:
+        return entity.match_value(names.ReplicateToShadow.JOB_ID) == record.job_id
+    if entity.table == names.RewriteShadowCopy.NAME:
+        rid = entity.match_value(names.RewriteShadowCopy.EGRESS_RID)
+        return rid in {r for (s, _), r in record.rids.items() if s == switch}
     return False

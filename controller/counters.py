@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 from p4.v1 import p4runtime_pb2
 
+from checkmate.p4 import names
 from controller.entities import EntityCodec
 from controller.switch_connection import SwitchConnection
 
 logger = logging.getLogger(__name__)
 
-JOB_COUNTERS = ("shadow_copies", "rejected_replications")
+JOB_COUNTERS = (names.ShadowCopies.NAME, names.RejectedReplications.NAME)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from p4.v1 import p4runtime_pb2
 
+from checkmate.p4 import names
 from checkmate.p4.bytestrings import decode_bytestring, encode_bytestring
 from checkmate.p4.p4info import MatchKind, P4InfoIndex
 
@@ -134,19 +135,19 @@ class Update:
 # ---- ordering -------------------------------------------------------------------
 _INSERT_RANK = {
     "group": 0,
-    "rewrite_shadow_copy": 0,
-    "route_ipv4": 0,
-    "check_source": 0,
-    "lookup_job": 1,
-    "replicate_to_shadow": 2,
+    names.RewriteShadowCopy.NAME: 0,
+    names.RouteIpv4.NAME: 0,
+    names.CheckSource.NAME: 0,
+    names.LookupJob.NAME: 1,
+    names.ReplicateToShadow.NAME: 2,
 }
 _DELETE_RANK = {
-    "replicate_to_shadow": 3,
-    "lookup_job": 4,
-    "rewrite_shadow_copy": 5,
+    names.ReplicateToShadow.NAME: 3,
+    names.LookupJob.NAME: 4,
+    names.RewriteShadowCopy.NAME: 5,
     "group": 5,
-    "route_ipv4": 5,
-    "check_source": 5,
+    names.RouteIpv4.NAME: 5,
+    names.CheckSource.NAME: 5,
 }
 
 

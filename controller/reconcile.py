@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 
 from p4.v1 import p4runtime_pb2
 
+from checkmate.p4 import names
 from controller.entities import Entity, EntityCodec, MulticastGroup, TableEntry, Update, UpdateKind, diff
 from controller.switch_connection import SwitchConnection
 
 logger = logging.getLogger(__name__)
 
-OWNED_TABLES = ("check_source", "route_ipv4", "lookup_job", "replicate_to_shadow", "rewrite_shadow_copy")
+OWNED_TABLES = tuple(names.TABLES)
 """Every table of the Checkmate program; the controller owns all of them."""
 GROUPS = "multicast groups"
 

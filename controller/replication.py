@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 
+from checkmate.p4 import names
 from controller.entities import TableEntry
 
 logger = logging.getLogger(__name__)
 
-LOOKUP_TABLE = "lookup_job"
-REPLICATION_TABLE = "replicate_to_shadow"
+LOOKUP_TABLE = names.LookupJob.NAME
+REPLICATION_TABLE = names.ReplicateToShadow.NAME
 UNKNOWN_JOB_SLOT = 0
 MAX_JOB_SLOT = 255
 
@@ -25,7 +26,9 @@ MAX_JOB_SLOT = 255
 def lookup_job_entry(job_id: int, slot: int) -> TableEntry:
     if not 1 <= slot <= MAX_JOB_SLOT:
         raise ValueError(f"job slot {slot} is outside 1..{MAX_JOB_SLOT} (slot 0 is for unknown jobs)")
-    return TableEntry.make(LOOKUP_TABLE, {"job_id": job_id}, "set_job_slot", {"slot": slot})
+    return TableEntry.make(
+        LOOKUP_TABLE, {names.LookupJob.JOB_ID: job_id}, names.SetJobSlot.NAME, {names.SetJobSlot.SLOT: slot}
+    )
 
 
 def replication_entry(
@@ -34,11 +37,11 @@ def replication_entry(
     return TableEntry.make(
         REPLICATION_TABLE,
         {
-            "job_id": job_id,
-            "ingress_port": ingress_port,
-            "shard_key": shard_key,
-            "next_hop_port": next_hop_port,
+            names.ReplicateToShadow.JOB_ID: job_id,
+            names.ReplicateToShadow.INGRESS_PORT: ingress_port,
+            names.ReplicateToShadow.SHARD_KEY: shard_key,
+            names.ReplicateToShadow.NEXT_HOP_PORT: next_hop_port,
         },
-        "set_multicast_group",
-        {"group": group_id},
+        names.SetMulticastGroup.NAME,
+        {names.SetMulticastGroup.GROUP: group_id},
     )

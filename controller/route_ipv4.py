@@ -20,12 +20,13 @@ from __future__ import annotations
 import logging
 
 from checkmate.network import Network, Route, mac_to_int
+from checkmate.p4 import names
 from controller.entities import TableEntry
 
 logger = logging.getLogger(__name__)
 
-TABLE = "route_ipv4"
-SOURCE_TABLE = "check_source"
+TABLE = names.RouteIpv4.NAME
+SOURCE_TABLE = names.CheckSource.NAME
 TABLES = (TABLE, SOURCE_TABLE)
 """What :meth:`Controller.install_forwarding` reconciles: both are derived from the routes."""
 
@@ -33,9 +34,13 @@ TABLES = (TABLE, SOURCE_TABLE)
 def route_entry(route: Route) -> TableEntry:
     return TableEntry.make(
         TABLE,
-        {"dst_addr": (int(route.dst_addr), route.prefix_len)},
-        "forward",
-        {"port": route.port, "src_mac": mac_to_int(route.src_mac), "dst_mac": mac_to_int(route.dst_mac)},
+        {names.RouteIpv4.DST_ADDR: (int(route.dst_addr), route.prefix_len)},
+        names.Forward.NAME,
+        {
+            names.Forward.PORT: route.port,
+            names.Forward.SRC_MAC: mac_to_int(route.src_mac),
+            names.Forward.DST_MAC: mac_to_int(route.dst_mac),
+        },
     )
 
 
@@ -48,9 +53,9 @@ def source_entry(route: Route) -> TableEntry:
     """``check_source``: packets from the route's host must come in on the route's port."""
     return TableEntry.make(
         SOURCE_TABLE,
-        {"src_addr": (int(route.dst_addr), route.prefix_len)},
-        "expect_port",
-        {"port": route.port},
+        {names.CheckSource.SRC_ADDR: (int(route.dst_addr), route.prefix_len)},
+        names.ExpectPort.NAME,
+        {names.ExpectPort.PORT: route.port},
     )
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 
 from checkmate.network import Network, mac_to_int
+from checkmate.p4 import names
 from controller.entities import TableEntry
 
 logger = logging.getLogger(__name__)
 
-TABLE = "rewrite_shadow_copy"
+TABLE = names.RewriteShadowCopy.NAME
 
 
 def shadow_rewrite_entry(
@@ -25,12 +26,12 @@ def shadow_rewrite_entry(
     route = network.route(switch, shadow)
     return TableEntry.make(
         TABLE,
-        {"egress_rid": rid},
-        "set_shadow_destination",
+        {names.RewriteShadowCopy.EGRESS_RID: rid},
+        names.SetShadowDestination.NAME,
         {
-            "src_mac": mac_to_int(route.src_mac),
-            "dst_mac": mac_to_int(route.dst_mac),
-            "dst_addr": int(route.dst_addr),
-            "dst_port": shadow_port,
+            names.SetShadowDestination.SRC_MAC: mac_to_int(route.src_mac),
+            names.SetShadowDestination.DST_MAC: mac_to_int(route.dst_mac),
+            names.SetShadowDestination.DST_ADDR: int(route.dst_addr),
+            names.SetShadowDestination.DST_PORT: shadow_port,
         },
     )

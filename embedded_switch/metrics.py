@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from checkmate.metrics import CallbackCollector, Families
+from checkmate.p4 import names
 from embedded_switch.pipeline import DropReason
 from embedded_switch.ports import SwitchPorts
 from embedded_switch.state import SwitchState
@@ -23,14 +24,14 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "checkmate_switch"
 _JOB_COUNTERS = (
-    ("shadow_copies", "Copies re-addressed to a shadow (egress), per job"),
-    ("rejected_replications", "Tagged packets of the job that matched no replication entry, per job"),
+    (names.ShadowCopies.NAME, "Copies re-addressed to a shadow (egress), per job"),
+    (names.RejectedReplications.NAME, "Tagged packets of the job that matched no replication entry, per job"),
 )
 
 
 def _slot_jobs(state: SwitchState) -> dict[int, str]:
     out: dict[int, str] = {}
-    table = state.tables.get("lookup_job")
+    table = state.tables.get(names.LookupJob.NAME)
     if table is None:
         return out
     for entry in list(table.entries()):

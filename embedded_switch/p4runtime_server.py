@@ -103,7 +103,9 @@ class P4RuntimeServer:
         self.device_id = device_id
         self.address = address
         self._server: grpc.Server | None = None
-        self._pipelines = PipelineStore(device_id, load_p4info(), on_pipeline)
+        reference = load_p4info()
+        program.check_pipeline(reference)  # the committed P4Info is what the interpreter reads, by name
+        self._pipelines = PipelineStore(device_id, reference, on_pipeline)
         self._arbiter = Arbiter(device_id)
         self._packets = PacketIO(self._arbiter, self._pipelines, cpu_port, on_packet_out)
         self._streams = StreamChannel(self._arbiter, self._packets)

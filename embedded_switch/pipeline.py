@@ -45,6 +45,7 @@ import threading
 from collections.abc import Iterable
 
 from checkmate import wire
+from checkmate.p4 import names
 from embedded_switch.state import CounterArray, Replica, SwitchState, Table
 
 Buffer = bytes | bytearray | memoryview
@@ -235,16 +236,18 @@ class Pipeline:
         self._state = state
 
     def _bind(self, state: SwitchState) -> None:
-        self._source: Table = state.table("check_source")
-        self._route: Table = state.table("route_ipv4")
-        self._job: Table = state.table("lookup_job")
-        self._replicate: Table = state.table("replicate_to_shadow")
-        self._rewrite: Table = state.table("rewrite_shadow_copy")
+        # Keys and action parameters are positional: embedded_switch.program.PIPELINE says in
+        # which order, and build_state refuses a P4Info whose order differs.
+        self._source: Table = state.table(names.CheckSource.NAME)
+        self._route: Table = state.table(names.RouteIpv4.NAME)
+        self._job: Table = state.table(names.LookupJob.NAME)
+        self._replicate: Table = state.table(names.ReplicateToShadow.NAME)
+        self._rewrite: Table = state.table(names.RewriteShadowCopy.NAME)
         self._tables = (self._source, self._route, self._job, self._replicate, self._rewrite)
-        self._ingress_drops: CounterArray = state.counter("ingress_drops")
-        self._rejected: CounterArray = state.counter("rejected_replications")
-        self._shadow_copies: CounterArray = state.counter("shadow_copies")
-        self._egress_drops: CounterArray = state.counter("egress_drops")
+        self._ingress_drops: CounterArray = state.counter(names.IngressDrops.NAME)
+        self._rejected: CounterArray = state.counter(names.RejectedReplications.NAME)
+        self._shadow_copies: CounterArray = state.counter(names.ShadowCopies.NAME)
+        self._egress_drops: CounterArray = state.counter(names.EgressDrops.NAME)
         self._cache: dict[int, dict[tuple[int, ...], _Decision]] = {}
         self._token: tuple[object, ...] = ()
 
@@ -433,7 +436,7 @@ class Pipeline:
         if checkmate_valid:
             # check_source: a known host's address must come in on that host's port.
             action = self._source.lookup((src,)).action
-            if action.name == "expect_port" and action.params[0] != port:
+            if action.name == names.ExpectPort.NAME and action.params[0] != port:
                 return self._ingress_drop(DropReason.SPOOFED_SOURCE, port, needs_checksum=True)
 
         counts: list[Cell] = []
@@ -444,7 +447,7 @@ class Pipeline:
         mcast_grp = 0
         job_slot = UNKNOWN_JOB_SLOT
         action = self._route.lookup((dst,)).action
-        if action.name == "forward":
+        if action.name == names.Forward.NAME:
             next_hop_port, src_mac, dst_mac = action.params
             routed = True
             macs = dst_mac.to_bytes(6, "big") + src_mac.to_bytes(6, "big")
@@ -455,7 +458,7 @@ class Pipeline:
         if checkmate_valid and cm[2] & CHECKMATE_FLAG_REPLICATE:
             msg_type, dtype, job_id, shard_key, count = cm[1], cm[3], cm[4], cm[8], cm[11]
             action = self._job.lookup((job_id,)).action
-            job_slot = action.params[0] if action.name == "set_job_slot" else UNKNOWN_JOB_SLOT
+            job_slot = action.params[0] if action.name == names.SetJobSlot.NAME else UNKNOWN_JOB_SLOT
             payload_bytes = udp_len - UDP_HEADER_BYTES - CHECKMATE_HEADER_BYTES
             expected_bytes = 0xFFFFFFFF
             if count >> 16 == 0:
@@ -466,7 +469,7 @@ class Pipeline:
             if msg_type != CHECKMATE_MSG_DATA or payload_bytes != expected_bytes:
                 return self._ingress_drop(DropReason.MALFORMED_CHECKMATE, port, needs_checksum=True)
             action = self._replicate.lookup((job_id, port, shard_key, next_hop_port)).action
-            if action.name == "set_multicast_group":
+            if action.name == names.SetMulticastGroup.NAME:
                 mcast_grp = action.params[0]
                 replicated = True
             else:
@@ -498,7 +501,7 @@ class Pipeline:
             if replicated and checkmate_valid:
                 if egress_rid != 0:
                     action = self._rewrite.lookup((egress_rid,)).action
-                    if action.name != "set_shadow_destination":
+                    if action.name != names.SetShadowDestination.NAME:
                         drops.append((DropReason.NO_SHADOW_DESTINATION, egress_port))
                         counts += _cell(self._egress_drops, DropReason.NO_SHADOW_DESTINATION)
                         continue

@@ -18,6 +18,7 @@ from scapy.layers.inet import ICMP, IP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import Packet, Raw
 
+from checkmate.p4 import names
 from checkmate.scapy_layer import Checkmate
 from checkmate.wire import CHECKMATE_UDP_PORT
 from embedded_switch.state import ActionCall, FieldMatch, MatchKind, Replica, SwitchState, TableEntry
@@ -66,28 +67,44 @@ class Group:
 
 def route(prefix: str, plen: int, port: int, dst_mac: str) -> Entry:
     return Entry(
-        "route_ipv4",
-        {"dst_addr": (ip(prefix), plen)},
-        "forward",
-        {"port": port, "src_mac": mac(SWITCH_MAC), "dst_mac": mac(dst_mac)},
+        names.RouteIpv4.NAME,
+        {names.RouteIpv4.DST_ADDR: (ip(prefix), plen)},
+        names.Forward.NAME,
+        {
+            names.Forward.PORT: port,
+            names.Forward.SRC_MAC: mac(SWITCH_MAC),
+            names.Forward.DST_MAC: mac(dst_mac),
+        },
     )
 
 
 def replicate(shard_key: int, group: int, ingress_port: int = W0_PORT, job_id: int = JOB_ID) -> Entry:
+    table = names.ReplicateToShadow
     return Entry(
-        "replicate_to_shadow",
-        {"job_id": job_id, "ingress_port": ingress_port, "shard_key": shard_key, "next_hop_port": W1_PORT},
-        "set_multicast_group",
-        {"group": group},
+        table.NAME,
+        {
+            table.JOB_ID: job_id,
+            table.INGRESS_PORT: ingress_port,
+            table.SHARD_KEY: shard_key,
+            table.NEXT_HOP_PORT: W1_PORT,
+        },
+        names.SetMulticastGroup.NAME,
+        {names.SetMulticastGroup.GROUP: group},
     )
 
 
 def shadow_rewrite(rid: int, dst_mac: str, dst_ip: str, dst_port: int) -> Entry:
+    action = names.SetShadowDestination
     return Entry(
-        "rewrite_shadow_copy",
-        {"egress_rid": rid},
-        "set_shadow_destination",
-        {"src_mac": mac(SWITCH_MAC), "dst_mac": mac(dst_mac), "dst_addr": ip(dst_ip), "dst_port": dst_port},
+        names.RewriteShadowCopy.NAME,
+        {names.RewriteShadowCopy.EGRESS_RID: rid},
+        action.NAME,
+        {
+            action.SRC_MAC: mac(SWITCH_MAC),
+            action.DST_MAC: mac(dst_mac),
+            action.DST_ADDR: ip(dst_ip),
+            action.DST_PORT: dst_port,
+        },
     )
 
 
@@ -96,7 +113,12 @@ ENTRIES: tuple[Entry, ...] = (
     route("10.0.2.0", 24, W1_PORT, W1_MAC),
     route("10.0.3.1", 32, SH1_PORT, SH1_MAC),
     route("10.0.4.1", 32, SH2_PORT, SH2_MAC),
-    Entry("lookup_job", {"job_id": JOB_ID}, "set_job_slot", {"slot": JOB_SLOT}),
+    Entry(
+        names.LookupJob.NAME,
+        {names.LookupJob.JOB_ID: JOB_ID},
+        names.SetJobSlot.NAME,
+        {names.SetJobSlot.SLOT: JOB_SLOT},
+    ),
     replicate(SHARD_SHADOW1, GROUP_SHADOW1),
     replicate(SHARD_SHADOW2, GROUP_SHADOW2),
     replicate(SHARD_BOTH, GROUP_BOTH),

@@ -91,6 +91,8 @@ class PipelineStore:
         index = ProgramIndex(canonical)
         try:
             state = program.build_state(canonical)
+        except program.ProgramMismatchError as e:
+            raise Failure(INVALID, str(e)) from None
         except KeyError as e:
             raise Failure(INVALID, f"P4Info names an object this target does not implement: {e}") from None
         stored = p4info_pb2.P4Info()

@@ -17,11 +17,14 @@ from p4.config.v1 import p4info_pb2
 
 from checkmate.job import JobSpec
 from checkmate.network import Network
+from checkmate.p4 import names
 from checkmate.p4.p4info import P4InfoIndex, P4InfoNameError, load_p4info
 from checkmate.p4.program import P4INFO_PATH
 from checkmate.p4.tofino import tofino_counters
+from controller.controller import checked_codec
 from controller.counters import JOB_COUNTERS
 from controller.entities import EntityCodec, MulticastGroup, TableEntry
+from controller.errors import ControllerError
 from controller.jobs import Taken, allocate, plan_entities
 from tests.controller.conftest import TOPOLOGIES
 
@@ -134,3 +137,16 @@ def test_a_counter_extern_with_foreign_info_is_a_clear_error() -> None:
     counters.instances[0].info.Pack(p4info_pb2.PkgInfo(arch="tna"))
     with pytest.raises(ValueError, match="not barefoot.Counter"):
         P4InfoIndex(info)
+
+
+def test_the_controller_takes_either_p4info_and_refuses_a_renamed_table_before_any_write() -> None:
+    """checked_codec runs when the controller first meets a switch's P4Info (or before a push)."""
+    assert checked_codec(load_p4info(TOFINO_P4INFO), "tofino").names.table_id(names.RouteIpv4.NAME)
+    assert checked_codec(load_p4info(P4INFO_PATH), "v1model").names.table_id(names.RouteIpv4.NAME)
+    info = load_p4info(P4INFO_PATH)
+    route = next(t for t in info.tables if t.preamble.alias == names.RouteIpv4.NAME)
+    route.preamble.name, route.preamble.alias = "CheckmateIngress.route_v4", "route_v4"
+    with pytest.raises(
+        ControllerError, match=r"switch s1's P4Info is not the Checkmate program's .* table route_ipv4"
+    ):
+        checked_codec(info, "switch s1's P4Info")

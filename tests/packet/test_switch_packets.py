@@ -14,6 +14,7 @@ import pytest
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import ARP, Ether
 
+from checkmate.p4 import names
 from checkmate.p4.p4info import load_p4info
 from checkmate.scapy_layer import Checkmate
 from embedded_switch.pipeline import DropReason, Pipeline, ipv4_checksum
@@ -43,7 +44,7 @@ def test_replicate_to_shadow(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
     assert shadow[UDP].chksum == 0 and int(shadow[Checkmate].flags) & 0x01 == 0
     assert ipv4_checksum(bytes(shadow[IP])) == shadow[IP].chksum
     n = len(bytes(pkt))
-    assert p4rt.read_counter("shadow_copies", sc.JOB_SLOT) == (1, n)
+    assert p4rt.read_counter(names.ShadowCopies.NAME, sc.JOB_SLOT) == (1, n)
 
 
 def test_two_shard_keys_reach_two_shadows(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
@@ -69,7 +70,7 @@ def test_group_with_two_shadows(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
             sc.SH2_PORT: [sc.shadow2_copy(pkt)],
         }
     )
-    assert p4rt.read_counter("shadow_copies", sc.JOB_SLOT)[0] == 2
+    assert p4rt.read_counter(names.ShadowCopies.NAME, sc.JOB_SLOT)[0] == 2
 
 
 def test_jumbo_frame_is_replicated_whole(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
@@ -85,8 +86,8 @@ def test_non_enrolled_port_is_forwarded_not_copied_and_counted(
     pkt[Ether].src = sc.SH2_MAC
     switch.send(sc.SH2_PORT, pkt)
     switch.expect({sc.W1_PORT: [sc.routed(pkt, sc.W1_MAC)]})
-    assert p4rt.read_counter("rejected_replications", sc.JOB_SLOT) == (1, len(bytes(pkt)))
-    assert p4rt.read_counter("shadow_copies", sc.JOB_SLOT) == (0, 0)
+    assert p4rt.read_counter(names.RejectedReplications.NAME, sc.JOB_SLOT) == (1, len(bytes(pkt)))
+    assert p4rt.read_counter(names.ShadowCopies.NAME, sc.JOB_SLOT) == (0, 0)
 
 
 @pytest.mark.parametrize("case", sc.SPOOFED, ids=[c.name for c in sc.SPOOFED])
@@ -95,13 +96,18 @@ def test_spoofed_tagged_packet_reaches_no_shadow(
 ) -> None:
     switch.send(case.ingress_port, case.packet)
     switch.expect({case.out_port: [sc.routed(case.packet, case.out_mac)]})
-    assert p4rt.read_counter("rejected_replications", sc.JOB_SLOT) == (1, len(bytes(case.packet)))
-    assert p4rt.read_counter("shadow_copies", sc.JOB_SLOT) == (0, 0)
+    assert p4rt.read_counter(names.RejectedReplications.NAME, sc.JOB_SLOT) == (1, len(bytes(case.packet)))
+    assert p4rt.read_counter(names.ShadowCopies.NAME, sc.JOB_SLOT) == (0, 0)
 
 
 def source_check(address: str, port: int) -> sc.Entry:
     """check_source: packets from ``address`` must come in on ``port`` (what the controller installs)."""
-    return sc.Entry("check_source", {"src_addr": (sc.ip(address), 32)}, "expect_port", {"port": port})
+    return sc.Entry(
+        names.CheckSource.NAME,
+        {names.CheckSource.SRC_ADDR: (sc.ip(address), 32)},
+        names.ExpectPort.NAME,
+        {names.ExpectPort.PORT: port},
+    )
 
 
 def test_spoofed_source_is_dropped_and_counted(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
@@ -114,9 +120,9 @@ def test_spoofed_source_is_dropped_and_counted(switch: Rig, p4rt: P4RuntimeTestC
     switch.send(sc.SH2_PORT, tagged, ring)
     switch.send(sc.SH1_PORT, ack)
     switch.expect_nothing()
-    assert p4rt.read_counter("ingress_drops", DropReason.SPOOFED_SOURCE)[0] == 3
-    assert p4rt.read_counter("shadow_copies", sc.JOB_SLOT) == (0, 0)
-    assert p4rt.read_counter("rejected_replications", sc.JOB_SLOT) == (0, 0)
+    assert p4rt.read_counter(names.IngressDrops.NAME, DropReason.SPOOFED_SOURCE)[0] == 3
+    assert p4rt.read_counter(names.ShadowCopies.NAME, sc.JOB_SLOT) == (0, 0)
+    assert p4rt.read_counter(names.RejectedReplications.NAME, sc.JOB_SLOT) == (0, 0)
     # the same frames on worker 0's own port are forwarded (and the tagged one copied)
     switch.send(sc.W0_PORT, tagged, ring, ack)
     switch.expect(
@@ -131,15 +137,15 @@ def test_spoofed_source_is_dropped_and_counted(switch: Rig, p4rt: P4RuntimeTestC
     plain = sc.udp_packet()  # worker 0's address, not a Checkmate datagram
     switch.send(sc.SH2_PORT, stranger, plain)
     switch.expect({sc.W1_PORT: [sc.routed(stranger, sc.W1_MAC), sc.routed(plain, sc.W1_MAC)]})
-    assert p4rt.read_counter("ingress_drops", DropReason.SPOOFED_SOURCE)[0] == 3
+    assert p4rt.read_counter(names.IngressDrops.NAME, DropReason.SPOOFED_SOURCE)[0] == 3
 
 
 def test_unknown_job_is_counted_at_slot_zero(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
     pkt = sc.checkmate_packet(job_id=sc.UNKNOWN_JOB_ID)
     switch.send(sc.W0_PORT, pkt)
     switch.expect({sc.W1_PORT: [sc.routed(pkt, sc.W1_MAC)]})
-    assert p4rt.read_counter("rejected_replications", 0)[0] == 1
-    assert p4rt.read_counter("rejected_replications", sc.JOB_SLOT)[0] == 0
+    assert p4rt.read_counter(names.RejectedReplications.NAME, 0)[0] == 1
+    assert p4rt.read_counter(names.RejectedReplications.NAME, sc.JOB_SLOT)[0] == 0
 
 
 @pytest.mark.parametrize(
@@ -157,7 +163,7 @@ def test_malformed_checkmate_is_dropped_and_counted(
 ) -> None:
     switch.send(sc.W0_PORT, frame)  # type: ignore[arg-type]
     switch.expect_nothing()
-    assert p4rt.read_counter("ingress_drops", DropReason.MALFORMED_CHECKMATE)[0] == 1
+    assert p4rt.read_counter(names.IngressDrops.NAME, DropReason.MALFORMED_CHECKMATE)[0] == 1
 
 
 def test_non_checkmate_udp_is_forwarded_and_non_ipv4_dropped(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
@@ -166,14 +172,14 @@ def test_non_checkmate_udp_is_forwarded_and_non_ipv4_dropped(switch: Rig, p4rt: 
     switch.expect({sc.W1_PORT: [sc.routed(other, sc.W1_MAC)]})
     switch.send(sc.W0_PORT, Ether(src=sc.W0_MAC, dst="ff:ff:ff:ff:ff:ff") / ARP(pdst=sc.W1_IP))
     switch.expect_nothing()
-    assert p4rt.read_counter("ingress_drops", DropReason.NOT_IPV4)[0] == 1
+    assert p4rt.read_counter(names.IngressDrops.NAME, DropReason.NOT_IPV4)[0] == 1
 
 
 def test_no_route_and_ttl_expiry_are_counted(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
     switch.send(sc.W0_PORT, sc.udp_packet(dst_ip="192.0.2.1"), sc.checkmate_packet(ttl=1))
     switch.expect_nothing()
-    assert p4rt.read_counter("ingress_drops", DropReason.NO_ROUTE)[0] == 1
-    assert p4rt.read_counter("ingress_drops", DropReason.TTL_EXPIRED)[0] == 1
+    assert p4rt.read_counter(names.IngressDrops.NAME, DropReason.NO_ROUTE)[0] == 1
+    assert p4rt.read_counter(names.IngressDrops.NAME, DropReason.TTL_EXPIRED)[0] == 1
 
 
 def test_counters_count_every_copy(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
@@ -186,8 +192,8 @@ def test_counters_count_every_copy(switch: Rig, p4rt: P4RuntimeTestClient) -> No
         }
     )
     n = len(bytes(packets[0]))
-    assert p4rt.read_counter("shadow_copies", sc.JOB_SLOT) == (20, 20 * n)
-    assert p4rt.read_counter("rejected_replications", sc.JOB_SLOT) == (0, 0)
+    assert p4rt.read_counter(names.ShadowCopies.NAME, sc.JOB_SLOT) == (20, 20 * n)
+    assert p4rt.read_counter(names.RejectedReplications.NAME, sc.JOB_SLOT) == (0, 0)
 
 
 def test_garbage_frames_do_not_stop_forwarding(switch: Rig, p4rt: P4RuntimeTestClient) -> None:
