@@ -150,7 +150,7 @@ class FsdpCheckmateAgent(GradientGuard):
         if not isinstance(group, CheckmateProcessGroup):
             raise CheckmateConfigError(
                 "enable_checkmate_fsdp needs the checkmate backend: init_process_group(backend='checkmate') "
-                f"(the default group is {type(group).__name__})"
+                f"(the default group's backend is {dist.get_backend()!r})"
             )
         if (group.size(), group.rank()) != (config.world_size, config.rank):
             raise CheckmateConfigError(

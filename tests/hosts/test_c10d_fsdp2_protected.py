@@ -18,6 +18,7 @@ import os
 import pickle
 import queue
 import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,7 +35,7 @@ NET = f"127.{os.getpid() % 200 + 20}.{(os.getpid() // 200 + 101) % 250}"
 """This test process's own loopback /24 (shadows .70/.71, workers .80+)."""
 
 
-def _model(seed: int, mixed: bool = False) -> torch.nn.Module:
+def _model(seed: int, mixed: str | None = None) -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(seed)
@@ -42,7 +43,8 @@ def _model(seed: int, mixed: bool = False) -> torch.nn.Module:
         torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 7), torch.nn.Linear(7, 4)
     )
     # mixed precision as FSDP2 does it: bf16 compute and bf16 reduce-scatters, fp32 parameters and step
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if mixed else None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(mixed))
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype) if dtype is not None else None
     kwargs = {"mp_policy": policy} if policy is not None else {}
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
@@ -77,13 +79,14 @@ def _job(rank: int, world: int, env: dict[str, str], port: int, scenario: dict[s
     from hosts.c10d_backend import CheckmateBackendOptions
     from hosts.c10d_fsdp import enable_checkmate_fsdp, resume_fsdp
     from hosts.ddp_config import CheckmateConfig
+    from hosts.ddp_gradients import CheckmateStateError
 
     os.environ.update(
         env, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     options = CheckmateBackendOptions(bind=f"{NET}.{80 + rank}", peer_timeout=3.0)
     dist.init_process_group("checkmate", pg_options=options)
-    model = _model(scenario.get("seed", 0), bool(scenario.get("mixed")))
+    model = _model(scenario.get("seed", 0), scenario.get("mixed"))
     optimizer = _optimizer(scenario["optimizer"], model)
     point = resume_fsdp(model, optimizer, timeout=10.0) if scenario.get("resume") else None
     restored = _gathered(model, optimizer) if point is not None else None
@@ -96,6 +99,11 @@ def _job(rank: int, world: int, env: dict[str, str], port: int, scenario: dict[s
         )  # the same batches when an iteration is redone
         x = torch.randn(8, 16, generator=data)
         loss = model(x).float().square().mean()
+        if scenario.get("expect_error"):
+            try:
+                loss.backward()
+            except CheckmateStateError as exc:
+                return {"error": str(exc)}
         loss.backward()
         if scenario.get("clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
@@ -185,7 +193,7 @@ def _shadow_state(nodes: list[ShadowNode]) -> tuple[dict[str, Any], dict[str, An
         {"optimizer": "sgd"},
         {"optimizer": "adamw", "clip": True},
         {"optimizer": "adamw", "world": 3},
-        {"optimizer": "adamw", "mixed": True},
+        {"optimizer": "adamw", "mixed": "bf16"},
     ],
     ids=["sgd", "adamw-clipped", "adamw-3-ranks", "adamw-bf16-mixed-precision"],
 )
@@ -362,3 +370,37 @@ def test_a_job_killed_at_2_ranks_resumes_at_3_from_the_shadows_full_state() -> N
     finally:
         for node in nodes:
             node.close()
+
+
+def _not_on_checkmate(rank: int, world: int, store: str) -> str:
+    import torch.distributed as dist
+
+    from hosts.c10d_fsdp import enable_checkmate_fsdp
+    from hosts.ddp_config import CheckmateConfig, CheckmateConfigError
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        model = _model(0)
+        config = CheckmateConfig(job_id=JOB_ID, rank=rank, world_size=world, bind=("127.0.0.1", 0))
+        enable_checkmate_fsdp(model, _optimizer("sgd", model), config)
+    except CheckmateConfigError as exc:
+        return str(exc)
+    finally:
+        dist.destroy_process_group()
+    return "accepted"
+
+
+def test_what_the_shadows_cannot_replay_is_refused_naming_the_cause(tmp_path: Path) -> None:
+    # FSDP2 reduces fp16 gradients with SUM and divides after the reduce-scatter: refused at the backward
+    nodes = _shadows()
+    try:
+        scenario = {"optimizer": "sgd", "mixed": "fp16", "expect_error": True}
+        results = run_ranks(_job, 2, _env(nodes), listen_port(), scenario, timeout=120)
+        for result in results:
+            assert "SUM and divides them afterwards" in result["error"], result
+            assert "MixedPrecisionPolicy.reduce_dtype" in result["error"], result
+    finally:
+        for node in nodes:
+            node.close()
+    (message,) = run_ranks(_not_on_checkmate, 1, str(tmp_path / "store"), timeout=60)
+    assert "needs the checkmate backend" in message and "backend is 'gloo'" in message, message
