@@ -395,6 +395,7 @@ def _fetch(
         shadows = dict(config.shadow_control)
         unnamed = config.unnamed_shadows
         job_id = config.job_id if job_id is None else job_id
+    assert job_id is not None  # resume() filled it (CHECKMATE_JOB_ID) when it was given shadows
     state = restore_latest(
         shadows,
         Path(snapshot_dir) if snapshot_dir else None,

@@ -212,7 +212,8 @@ def test_a_component_given_the_secret_needs_no_environment(monkeypatch: pytest.M
         TransportConfig(bind=("127.0.0.1", 0), datapath="python", secret=config.secret)
     ) as transport:
         transport.add_job(7, 0, {1: ("127.0.0.1", _free_udp_port())}, on_data=lambda h, p, a: None)
-        assert transport._jobs[7].auth._key == derive_key(secret, "transport", 7)
+        auth = transport._jobs[7].auth
+        assert auth is not None and auth._key == derive_key(secret, "transport", 7)
 
 
 def _free_udp_port() -> int:
