@@ -131,6 +131,7 @@ typedef struct Item {
     uint32_t retransmits;
     struct Item *prev, *next; /* unacked, by last transmission */
     struct Item *qnext;       /* pending queue */
+    uint64_t retire_at;       /* freed: reusable once the writer's ``done`` reaches this */
 } Item;
 
 typedef struct SendFlow {
@@ -185,6 +186,7 @@ typedef struct Op {
     uint32_t shard_key;
     int done, failed, released;
     long refs; /* items that send from this op's memory */
+    uint64_t queued_at; /* released: freed once the writer has written this many entries */
 } Op;
 
 typedef struct Stash {
@@ -223,6 +225,23 @@ typedef struct OutEntry {
     uint32_t len;
     struct sockaddr_in addr;
 } OutEntry;
+
+/* The writer thread (cm-native-tx): the engine hands it the queued DATA and goes on reading,
+ * checking and reducing while the kernel copies and delivers what was queued (on loopback a
+ * send also runs the receiver's UDP path). Everything it reads stays alive until it has written
+ * it: items (and through them op memory) freed by the engine are kept on ``retired`` until
+ * ``done`` passes what was queued when they were freed. Its lock is never held while waiting for
+ * the engine's mutex or the GIL. */
+typedef struct {
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t work, idle;
+    int running, stop, gso;
+    OutEntry *next, *active; /* next: handed over, not yet taken (under mu); active: the thread's */
+    int nnext, capnext, capactive;
+    uint64_t queued, done;     /* entries handed over / written, since start (under mu) */
+    uint64_t counters[C_COUNT]; /* the send counters it kept, added to the engine's in stats() */
+} Tx;
 
 typedef struct {
     PyObject_HEAD
@@ -268,6 +287,10 @@ typedef struct {
     int dr_on;
     uint32_t dr_job, dr_iteration, dr_bucket, dr_slot;
     uint8_t dr_hdr[DR_SEGMENTS][HDR];
+    /* the writer thread (tx_on once started) and the items freed while it may still read them */
+    Tx tx;
+    int tx_on;
+    Item *retired, *retired_tail;
 } Engine;
 
 static double mono(void) {
@@ -381,8 +404,10 @@ static void set_deadline(Engine *e, double t) {
 
 /* ---- socket writes ------------------------------------------------------------------------ */
 /* One sendmsg, waiting up to send_block_timeout for buffer space; 1 if the kernel took it,
- * 0 if not, -1 if a GSO write was refused (the caller resends datagram by datagram). */
-static int write_msg(Engine *e, struct iovec *iov, int niov, const struct sockaddr_in *addr, int segment) {
+ * 0 if not, -1 if a GSO write was refused (the caller resends datagram by datagram). Counts into
+ * ``counters`` and clears ``*gso`` on a refusal: the engine's, or the writer thread's own. */
+static int write_msg(Engine *e, uint64_t *counters, int *gso, const int *stop, struct iovec *iov, int niov,
+                     const struct sockaddr_in *addr, int segment) {
     struct msghdr msg;
     char control[CMSG_SPACE(sizeof(uint16_t))];
     memset(&msg, 0, sizeof msg);
@@ -410,7 +435,7 @@ static int write_msg(Engine *e, struct iovec *iov, int niov, const struct sockad
             double now = mono();
             if (deadline < 0) deadline = now + e->send_block_timeout;
             else if (now >= deadline) {
-                e->counters[C_SEND_BLOCKED]++;
+                counters[C_SEND_BLOCKED]++;
                 return 0;
             }
             struct pollfd p = {.fd = e->fd, .events = POLLOUT};
@@ -418,14 +443,14 @@ static int write_msg(Engine *e, struct iovec *iov, int niov, const struct sockad
             poll(&p, 1, ms > 0 ? ms : 1);
             continue;
         }
-        if (e->stop) return 0;
+        if (__atomic_load_n(stop, __ATOMIC_RELAXED)) return 0;
         if (segment > 0 && (err == EIO || err == EINVAL || err == EOPNOTSUPP || err == ENOPROTOOPT ||
                             err == EMSGSIZE)) {
-            e->gso = 0;
-            e->counters[C_GSO_REFUSED]++;
+            *gso = 0;
+            counters[C_GSO_REFUSED]++;
             return -1;
         }
-        e->counters[C_SEND_ERROR]++;
+        counters[C_SEND_ERROR]++;
         return 0;
     }
 }
@@ -433,19 +458,19 @@ static int write_msg(Engine *e, struct iovec *iov, int niov, const struct sockad
 static void write_plain(Engine *e, const uint8_t *a, size_t na, const uint8_t *b, size_t nb,
                         const struct sockaddr_in *addr) {
     struct iovec iov[2] = {{(void *)a, na}, {(void *)b, nb}};
-    write_msg(e, iov, nb ? 2 : 1, addr, 0);
+    write_msg(e, e->counters, &e->gso, &e->stop, iov, nb ? 2 : 1, addr, 0);
 }
 
-/* Write the queued DATA: runs of one size to one address as one GSO write. */
-static void flush_out(Engine *e) {
+/* Write queued DATA: runs of one size to one address as one GSO write. */
+static void write_entries(Engine *e, uint64_t *counters, int *gso, const int *stop, OutEntry *out, int nout) {
     int i = 0;
-    while (i < e->nout) {
-        OutEntry *first = &e->out[i];
+    while (i < nout) {
+        OutEntry *first = &out[i];
         uint32_t segment = HDR + first->len;
         int count = 1;
         int closed = 0;
-        while (e->gso && i + count < e->nout && count < GSO_MAX_SEGMENTS && !closed) {
-            OutEntry *o = &e->out[i + count];
+        while (*gso && i + count < nout && count < GSO_MAX_SEGMENTS && !closed) {
+            OutEntry *o = &out[i + count];
             uint32_t size = HDR + o->len;
             if (!same_addr(&o->addr, &first->addr) || size > segment ||
                 (uint64_t)(count + 1) * segment > MAX_UDP_PAYLOAD)
@@ -455,23 +480,129 @@ static void flush_out(Engine *e) {
         }
         struct iovec iov[2 * GSO_MAX_SEGMENTS];
         for (int k = 0; k < count; k++) {
-            iov[2 * k].iov_base = e->out[i + k].hdr;
+            iov[2 * k].iov_base = out[i + k].hdr;
             iov[2 * k].iov_len = HDR;
-            iov[2 * k + 1].iov_base = (void *)e->out[i + k].payload;
-            iov[2 * k + 1].iov_len = e->out[i + k].len;
+            iov[2 * k + 1].iov_base = (void *)out[i + k].payload;
+            iov[2 * k + 1].iov_len = out[i + k].len;
         }
         if (count == 1) {
-            write_msg(e, iov, first->len ? 2 : 1, &first->addr, 0);
+            write_msg(e, counters, gso, stop, iov, first->len ? 2 : 1, &first->addr, 0);
         } else {
-            int r = write_msg(e, iov, 2 * count, &first->addr, (int)segment);
-            if (r == 1) e->counters[C_GSO_WRITES]++;
+            int r = write_msg(e, counters, gso, stop, iov, 2 * count, &first->addr, (int)segment);
+            if (r == 1) counters[C_GSO_WRITES]++;
             else if (r < 0)
                 for (int k = 0; k < count; k++)
-                    write_msg(e, iov + 2 * k, e->out[i + k].len ? 2 : 1, &first->addr, 0);
+                    write_msg(e, counters, gso, stop, iov + 2 * k, out[i + k].len ? 2 : 1, &first->addr, 0);
         }
         i += count;
     }
-    e->nout = 0;
+}
+
+static void item_release(Engine *e, Item *it);
+
+/* Items freed while the writer may still read them, given back in the order they were freed
+ * once it has written everything queued before (``all``: the writer is idle, all of them). */
+static void free_retired(Engine *e, uint64_t done, int all) {
+    while (e->retired && (all || e->retired->retire_at <= done)) {
+        Item *it = e->retired;
+        e->retired = it->qnext;
+        if (e->retired == NULL) e->retired_tail = NULL;
+        item_release(e, it);
+    }
+}
+
+/* Hand the queued DATA to the writer thread (or write it here when there is none). With the
+ * engine's mutex held; never waits for the writer. */
+static void flush_out(Engine *e) {
+    if (!e->tx_on) {
+        write_entries(e, e->counters, &e->gso, &e->stop, e->out, e->nout);
+        e->nout = 0;
+        return;
+    }
+    Tx *t = &e->tx;
+    uint64_t done;
+    pthread_mutex_lock(&t->mu);
+    if (e->nout) {
+        if (t->nnext + e->nout > t->capnext) {
+            int cap = t->capnext ? t->capnext : 256;
+            while (cap < t->nnext + e->nout) cap *= 2;
+            OutEntry *grown = realloc(t->next, (size_t)cap * sizeof *grown);
+            if (grown == NULL) { /* no memory: written here, after what the writer holds */
+                while (t->queued != t->done) pthread_cond_wait(&t->idle, &t->mu);
+                pthread_mutex_unlock(&t->mu);
+                write_entries(e, e->counters, &e->gso, &e->stop, e->out, e->nout);
+                e->nout = 0;
+                return;
+            }
+            t->next = grown;
+            t->capnext = cap;
+        }
+        memcpy(t->next + t->nnext, e->out, (size_t)e->nout * sizeof *e->out);
+        t->nnext += e->nout;
+        t->queued += (uint64_t)e->nout;
+        e->nout = 0;
+        pthread_cond_signal(&t->work);
+    }
+    done = t->done;
+    pthread_mutex_unlock(&t->mu);
+    free_retired(e, done, 0);
+}
+
+/* Hand over what is queued and wait until the writer has written all of it (memory that is not
+ * an item's is about to go: a caller's buffer, a released op). With the engine's mutex held. */
+static void tx_drain(Engine *e) {
+    flush_out(e);
+    if (!e->tx_on) return;
+    Tx *t = &e->tx;
+    pthread_mutex_lock(&t->mu);
+    while (t->queued != t->done) pthread_cond_wait(&t->idle, &t->mu);
+    pthread_mutex_unlock(&t->mu);
+    free_retired(e, 0, 1);
+}
+
+static void *tx_main(void *arg) {
+    Engine *e = arg;
+    Tx *t = &e->tx;
+    pthread_setname_np(pthread_self(), "cm-native-tx");
+    pthread_mutex_lock(&t->mu);
+    for (;;) {
+        while (t->nnext == 0 && !t->stop) pthread_cond_wait(&t->work, &t->mu);
+        if (t->nnext == 0 && t->stop) break;
+        OutEntry *batch = t->next;
+        int n = t->nnext, cap = t->capnext;
+        t->next = t->active;
+        t->capnext = t->capactive;
+        t->nnext = 0;
+        t->active = batch;
+        t->capactive = cap;
+        pthread_mutex_unlock(&t->mu);
+        uint64_t counters[C_COUNT] = {0};
+        write_entries(e, counters, &t->gso, &t->stop, batch, n);
+        pthread_mutex_lock(&t->mu);
+        for (int i = 0; i < C_COUNT; i++) t->counters[i] += counters[i];
+        t->done += (uint64_t)n;
+        if (t->done == t->queued) pthread_cond_broadcast(&t->idle);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return NULL;
+}
+
+/* Stop the writer thread once it has written everything (GIL held, engine mutex not); from then
+ * on the engine writes itself. */
+static void lock_from_python(Engine *e);
+
+static void tx_stop(Engine *e) {
+    if (!e->tx.running) return;
+    lock_from_python(e);
+    tx_drain(e);
+    e->tx_on = 0;
+    pthread_mutex_unlock(&e->mu);
+    pthread_mutex_lock(&e->tx.mu);
+    e->tx.stop = 1;
+    pthread_cond_signal(&e->tx.work);
+    pthread_mutex_unlock(&e->tx.mu);
+    Py_BEGIN_ALLOW_THREADS pthread_join(e->tx.thread, NULL);
+    Py_END_ALLOW_THREADS e->tx.running = 0;
 }
 
 static void queue_data(Engine *e, const uint8_t *hdr, const uint8_t *payload, uint32_t len,
@@ -506,7 +637,7 @@ static void release_held(Engine *e) {
     uint8_t *h = e->held;
     size_t n = e->held_len;
     e->held = NULL;
-    if (h[1] == T_DATA) flush_out(e); /* keep its bytes alive until written */
+    if (h[1] == T_DATA) tx_drain(e); /* what was queued before it leaves before it */
     write_plain(e, h, n, NULL, 0, &e->held_addr);
     free(h);
 }
@@ -568,7 +699,7 @@ static void op_unref(Engine *e, Op *op);
 
 #define SPARE_ITEMS 16384
 
-static void item_free(Engine *e, Item *it) {
+static void item_release(Engine *e, Item *it) {
     if (it->op) op_unref(e, it->op);
     free(it->owned);
     if (e->n_spare_items < SPARE_ITEMS) {
@@ -578,6 +709,21 @@ static void item_free(Engine *e, Item *it) {
     } else {
         free(it);
     }
+}
+
+/* An item acknowledged or dropped: its payload (its own copy, or op memory it holds a reference
+ * to) may still be queued for the writer thread, so it is kept until the writer has written
+ * what was queued by now (what the engine still holds included). */
+static void item_free(Engine *e, Item *it) {
+    if (!e->tx_on) {
+        item_release(e, it);
+        return;
+    }
+    it->retire_at = e->tx.queued + (uint64_t)e->nout; /* queued changes only under the engine's mutex */
+    it->qnext = NULL;
+    if (e->retired_tail) e->retired_tail->qnext = it;
+    else e->retired = it;
+    e->retired_tail = it;
 }
 
 static Item *item_new(Engine *e) {
@@ -961,7 +1107,7 @@ static void on_ack(Engine *e, const uint8_t *d, size_t n, const struct sockaddr_
             e->counters[C_DROP_ACK_BEYOND_SENT]++;
             return;
         }
-    flush_out(e); /* items may be freed below */
+    if (!e->tx_on) flush_out(e); /* items may be freed below (with the writer: kept until written) */
     e->counters[nack ? C_NACKS_RECEIVED : C_ACKS_RECEIVED]++;
     uint32_t window = rd32(d + 20);
     if (window) f->peer_window = window;
@@ -1483,10 +1629,16 @@ static void lock_from_python(Engine *e) {
 static void reap_zombies(Engine *e) {
     Op *free_list = NULL;
     lock_from_python(e);
+    uint64_t done = UINT64_MAX;
+    if (e->tx_on && e->zombies) {
+        pthread_mutex_lock(&e->tx.mu);
+        done = e->tx.done;
+        pthread_mutex_unlock(&e->tx.mu);
+    }
     Op **pp = &e->zombies;
     while (*pp) {
         Op *op = *pp;
-        if (op->refs <= 0) {
+        if (op->refs <= 0 && op->queued_at <= done) {
             *pp = op->next;
             op->next = free_list;
             free_list = op;
@@ -1776,15 +1928,27 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
         return -1;
     }
     pthread_mutex_init(&e->mu, NULL);
+    pthread_mutex_init(&e->tx.mu, NULL);
+    pthread_cond_init(&e->tx.work, NULL);
+    pthread_cond_init(&e->tx.idle, NULL);
     return 0;
 }
 
 static PyObject *Engine_start(Engine *e, PyObject *unused) {
     (void)unused;
     if (e->running || e->rxbuf == NULL) Py_RETURN_NONE;
+    lock_from_python(e);
+    e->tx.gso = e->gso;
+    e->tx.stop = 0;
+    if (pthread_create(&e->tx.thread, NULL, tx_main, e) == 0) { /* else: written by the engine itself */
+        e->tx.running = 1;
+        e->tx_on = 1;
+    }
+    pthread_mutex_unlock(&e->mu);
     e->running = 1;
     if (pthread_create(&e->thread, NULL, rx_main, e) != 0) {
         e->running = 0;
+        tx_stop(e);
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     Py_RETURN_NONE;
@@ -1800,16 +1964,25 @@ static void engine_stop(Engine *e) {
     (void)r;
     Py_BEGIN_ALLOW_THREADS pthread_join(e->thread, NULL);
     Py_END_ALLOW_THREADS e->running = 0;
+    tx_stop(e);
 }
 
-/* In a child after fork(): the thread is not there and the mutex may have been held by it.
+/* In a child after fork(): the threads are not there and the mutexes may have been held by them.
  * The copy stops being an engine (its memory is still freed on dealloc). */
 static PyObject *Engine_forget(Engine *e, PyObject *unused) {
     (void)unused;
     if (e->rxbuf == NULL) Py_RETURN_NONE;
     pthread_mutex_init(&e->mu, NULL);
+    pthread_mutex_init(&e->tx.mu, NULL);
+    pthread_cond_init(&e->tx.work, NULL);
+    pthread_cond_init(&e->tx.idle, NULL);
     e->running = 0;
     e->stop = 1;
+    e->tx.running = 0;
+    e->tx_on = 0;
+    e->tx.nnext = 0;
+    e->tx.queued = e->tx.done = 0;
+    free_retired(e, 0, 1);
     Py_RETURN_NONE;
 }
 
@@ -1826,6 +1999,7 @@ static void free_job(Job *j, Engine *e) {
     while (op) {
         Op *next = op->next;
         op->released = 1;
+        op->queued_at = e->tx.queued + (uint64_t)e->nout;
         op->next = e->zombies;
         e->zombies = op;
         op = next;
@@ -1950,7 +2124,7 @@ static PyObject *Engine_remove_job(Engine *e, PyObject *args) {
     unsigned int job_id;
     if (!PyArg_ParseTuple(args, "I", &job_id)) return NULL;
     lock_from_python(e);
-    flush_out(e);
+    tx_drain(e);
     for (int i = 0; i < e->njobs; i++)
         if (e->jobs[i]->id == job_id) {
             free_job(e->jobs[i], e);
@@ -2190,6 +2364,7 @@ static PyObject *Engine_release_through(Engine *e, PyObject *args) {
             if ((int64_t)op->iteration <= through && (op->done || op->failed)) {
                 *pp = op->next;
                 op->released = 1;
+                op->queued_at = e->tx.queued + (uint64_t)e->nout; /* host copies send from it */
                 op->next = e->zombies;
                 e->zombies = op;
             } else {
@@ -2295,7 +2470,7 @@ static PyObject *Engine_emit(Engine *e, PyObject *args) {
     lock_from_python(e);
     const uint8_t *d = data.buf;
     emit(e, d, d + HDR, (size_t)data.len - HDR, &addr);
-    flush_out(e);
+    tx_drain(e); /* the caller's buffer is released below */
     pthread_mutex_unlock(&e->mu);
     PyBuffer_Release(&data);
     after_call(e);
@@ -2333,6 +2508,9 @@ static PyObject *Engine_stats(Engine *e, PyObject *unused) {
     int gso;
     lock_from_python(e);
     memcpy(c, e->counters, sizeof c);
+    pthread_mutex_lock(&e->tx.mu);
+    for (int i = 0; i < C_COUNT; i++) c[i] += e->tx.counters[i];
+    pthread_mutex_unlock(&e->tx.mu);
     flows_send = e->nsflows;
     flows_recv = e->nrflows;
     for (int i = 0; i < e->nsflows; i++) unacked += e->sflows[i]->n_unacked + e->sflows[i]->n_pending;
@@ -2459,6 +2637,8 @@ static void Engine_dealloc(Engine *e) {
         free(e->rflows);
         free(e->jobs);
         free(e->out);
+        free(e->tx.next);
+        free(e->tx.active);
         free(e->rxbuf);
         close(e->efd);
         pthread_mutex_destroy(&e->mu);
