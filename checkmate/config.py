@@ -10,7 +10,7 @@ process                its configuration object and where it is built
 =====================  ====================================================================
 a training rank        ``hosts.CheckmateConfig`` (``CheckmateConfig.from_env``, or given to
                        ``hosts.enable_checkmate``); ``hosts.resume``'s arguments
-``checkmate-shadow``   ``shadow.ShadowConfig`` (``shadow/cli.py``: flags, the secret)
+``checkmate-shadow``   ``shadow.node.ShadowConfig`` (``shadow/cli.py``: flags, the secret)
 ``checkmate-ctl``      the controller's arguments (``controller/cli.py``: flags over variables)
 ``checkmate-net``      ``topologies.preflight.Plan`` (``topologies/cli.py``, the supervisor)
 ``checkmate-switch``   ``embedded_switch.cli.SwitchConfig`` (``embedded_switch/cli.py``: flags)
