@@ -129,22 +129,30 @@ def _section(title: str, first: bool = False) -> str:
     return ("" if first else "\n") + head + "-" * (100 - len(head)) + "\n"
 
 
+def _class_head(short: str, doc: str) -> list[str]:
+    """The first lines of the class for the object ``short``: its docstring and NAME."""
+    return ["", f"class {class_name(short)}:", f'    """{doc}"""', "", f'    NAME: Final = "{short}"']
+
+
+def _members(owner: str, members: Iterable[tuple[str, str]]) -> tuple[list[str], list[str]]:
+    """(lines, constant names) for (name, docstring) pairs: one documented constant each."""
+    lines: list[str] = []
+    constants: list[str] = []
+    for name, doc in members:
+        constant = constant_name(name, owner)
+        constants.append(constant)
+        lines += [f'    {constant}: Final = "{name}"', f'    """{doc}"""']
+    return lines, constants
+
+
 def _action_class(action: p4info_pb2.Action) -> str:
     short = preamble_alias(action.preamble)
-    lines = [
-        "",
-        f"class {class_name(short)}:",
-        f'    """Action ``{action.preamble.name}`` (id {action.preamble.id})."""',
-        "",
-        f'    NAME: Final = "{short}"',
-    ]
-    constants = []
-    for index, param in enumerate(action.params, 1):
-        constant = constant_name(param.name, f"action {short}")
-        constants.append(constant)
-        lines.append(f'    {constant}: Final = "{param.name}"')
-        lines.append(f'    """Parameter {index}: {param.bitwidth} bits."""')
-    lines += _assign("PARAMS: Final[tuple[str, ...]]", constants, "    ")
+    lines = _class_head(short, f"Action ``{action.preamble.name}`` (id {action.preamble.id}).")
+    members, constants = _members(
+        f"action {short}",
+        ((p.name, f"Parameter {i}: {p.bitwidth} bits.") for i, p in enumerate(action.params, 1)),
+    )
+    lines += members + _assign("PARAMS: Final[tuple[str, ...]]", constants, "    ")
     return "\n".join(lines) + "\n"
 
 
@@ -158,21 +166,16 @@ def _table_class(table: p4info_pb2.Table, actions: dict[int, p4info_pb2.Action])
     default = actions.get(table.initial_default_action.action_id)
     if default is None:
         raise NamesError(f"P4Info table {table.preamble.name}: its default action is not an action")
-    lines = [
-        "",
-        f"class {class_name(short)}:",
-        f'    """Table ``{table.preamble.name}`` (id {table.preamble.id}), {table.size} entries."""',
-        "",
-        f'    NAME: Final = "{short}"',
-    ]
-    constants = []
-    for index, field in enumerate(table.match_fields, 1):
-        constant = constant_name(field.name, f"table {short}")
-        constants.append(constant)
-        kind = MATCH_KINDS[field.match_type].value
-        lines.append(f'    {constant}: Final = "{field.name}"')
-        lines.append(f'    """Match field {index}: {kind}, {field.bitwidth} bits."""')
-    lines += _assign("MATCH_FIELDS: Final[tuple[str, ...]]", constants, "    ")
+    doc = f"Table ``{table.preamble.name}`` (id {table.preamble.id}), {table.size} entries."
+    lines = _class_head(short, doc)
+    members, constants = _members(
+        f"table {short}",
+        (
+            (f.name, f"Match field {i}: {MATCH_KINDS[f.match_type].value}, {f.bitwidth} bits.")
+            for i, f in enumerate(table.match_fields, 1)
+        ),
+    )
+    lines += members + _assign("MATCH_FIELDS: Final[tuple[str, ...]]", constants, "    ")
     refs = [class_name(preamble_alias(actions[r.id].preamble)) + ".NAME" for r in table.action_refs]
     lines += _assign("ACTIONS: Final[tuple[str, ...]]", refs, "    ")
     lines.append(f"    DEFAULT_ACTION: Final = {class_name(preamble_alias(default.preamble))}.NAME")
@@ -180,19 +183,8 @@ def _table_class(table: p4info_pb2.Table, actions: dict[int, p4info_pb2.Action])
 
 
 def _counter_class(preamble: p4info_pb2.Preamble, what: str) -> str:
-    short = preamble_alias(preamble)
-    return (
-        "\n".join(
-            [
-                "",
-                f"class {class_name(short)}:",
-                f'    """Counter ``{preamble.name}`` (id {preamble.id}): {what}."""',
-                "",
-                f'    NAME: Final = "{short}"',
-            ]
-        )
-        + "\n"
-    )
+    lines = _class_head(preamble_alias(preamble), f"Counter ``{preamble.name}`` (id {preamble.id}): {what}.")
+    return "\n".join(lines) + "\n"
 
 
 def _index(tables: list[str], actions: list[str], counters: list[str]) -> str:
