@@ -1,8 +1,8 @@
 """The ``nfs://`` protocol for :mod:`fsspec`, over :mod:`checkmate.nfs`'s userspace NFS client.
 
 ``torch.distributed.checkpoint`` writes and reads through fsspec
-(``FsspecWriter(url)``/``FsspecReader(url)``); :func:`register` makes fsspec resolve
-``nfs://SERVER/EXPORT/PATH`` to :class:`NFSFileSystem`, one connection per (server, export)
+(``FsspecWriter(url)``/``FsspecReader(url)``); importing this module (:func:`register`) makes
+fsspec resolve ``nfs://SERVER/EXPORT/PATH`` to :class:`NFSFileSystem`, one connection per (server, export)
 and process (fsspec caches the instance; a pickled instance connects again where it is
 unpickled, as DCP's process-based async save does). Files opened for writing are durable
 when closed (:class:`checkmate.nfs.NFSFile`): give DCP ``FsspecWriter(url, sync_files=False)``,
@@ -111,3 +111,8 @@ class NFSFileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is unty
 def register() -> None:
     """Make fsspec (and so DCP's FsspecWriter/FsspecReader) resolve ``nfs://`` URLs here."""
     register_implementation("nfs", NFSFileSystem, clobber=True)
+
+
+# Importing this module registers the protocol: a process that only unpickles an FsspecWriter holding
+# an NFSFileSystem (DCP's process-based async save) imports it, and then resolves nfs:// URLs too.
+register()

@@ -109,7 +109,18 @@ def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--checkpoint-every", type=int, default=1, metavar="K", help="after every K-th iteration"
     )
-    group.add_argument("--checkpoint-dir", type=Path, default=None, help="where checkpoints are written")
+    group.add_argument(
+        "--checkpoint-dir",
+        type=checkpoint_location,
+        default=None,
+        help="where checkpoints are written: a directory, or nfs://SERVER/EXPORT/PATH (an NFS export "
+        "written through checkmate.nfs, the userspace client: this machine's kernel has no NFS client)",
+    )
+
+
+def checkpoint_location(text: str) -> Path | str:
+    """A local directory (Path) or an NFS URL (str, kept as written)."""
+    return text if text.startswith("nfs://") else Path(text)
 
 
 class BaselineCheckpointer:
@@ -124,7 +135,7 @@ class BaselineCheckpointer:
         self,
         kind: str,
         every: int,
-        directory: Path | None,
+        directory: Path | str | None,
         module: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         rank: int,
@@ -136,13 +147,22 @@ class BaselineCheckpointer:
             raise SystemExit(f"--checkpoint-every must be >= 1, got {every}")
         self.kind, self.every, self.rank, self.log = kind, every, rank, log
         self.module, self.optimizer = module, optimizer
-        self.directory = directory or Path(".")
+        self.directory: Path | str = directory or Path(".")
+        self._nfs: Any = None  # checkmate.nfs.NFSClient when the directory is an nfs:// URL
         self._future: Any = None
         self._done: list[tuple[int, float, float]] = []
         self._saves = 0
         self._group: Any = None
-        if kind != "none":
-            self.directory.mkdir(parents=True, exist_ok=True)
+        if kind != "none" and isinstance(self.directory, str):
+            from checkmate import nfs
+            from checkmate.nfs_fsspec import register
+
+            register()  # DCP's FsspecWriter resolves nfs:// URLs
+            if rank == 0 or kind in ("dcp-async", "dcp-process"):
+                self._nfs, path = nfs.NFSClient.from_url(self.directory)
+                self._nfs.makedirs(path)
+        elif kind != "none":
+            Path(self.directory).mkdir(parents=True, exist_ok=True)
         if kind in ("dcp-async", "dcp-process"):
             self._group = dist.new_group(backend="gloo")  # async saves stay off the training group
         self._persist: threading.Thread | None = None
@@ -182,16 +202,21 @@ class BaselineCheckpointer:
             if self._future is not None:
                 self._future.result()  # the documented pattern: one save in flight at a time
             model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
-            slot = self.directory / f"dcp-{self._saves % 2}"  # the other slot holds the last complete one
+            slot = f"{self.directory}/dcp-{self._saves % 2}"  # the other slot holds the last complete one
             self._saves += 1
             options: dict[str, Any] = {}
             if self.kind == "dcp-process":
                 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
                 options = {"async_checkpointer_type": AsyncCheckpointerType.PROCESS, "use_collectives": False}
+            if self._nfs is not None:
+                from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+                # durable when each file closes (checkmate.nfs); sync_files would os.sync() this machine
+                options["storage_writer"] = FsspecWriter(slot, sync_files=False)
             response = dcp.async_save(
                 {"model": model_state, "optimizer": optimizer_state, "iteration": iteration},
-                checkpoint_id=str(slot),
+                checkpoint_id=slot,
                 process_group=self._group,
                 **options,
             )
@@ -209,7 +234,14 @@ class BaselineCheckpointer:
 
     def _write(self, state: dict[str, Any], iteration: int, started: float) -> None:
         """Write a checkpoint: temporary file, fsync, rename (torch-save inline, checkfreq in its thread)."""
-        target = self.directory / "checkpoint.pt"
+        if self._nfs is not None:
+            from checkmate import nfs
+
+            path = f"{nfs.NFSURL.parse(str(self.directory)).path.rstrip('/')}/checkpoint.pt"
+            nfs.write_atomically(self._nfs, path, lambda stream: torch.save(state, stream))
+            self._done.append((iteration, started, time.time()))
+            return
+        target = Path(self.directory) / "checkpoint.pt"
         temporary = target.with_suffix(".pt.tmp")
         with open(temporary, "wb") as f:
             torch.save(state, f)
@@ -231,6 +263,9 @@ class BaselineCheckpointer:
             self._future = None
         self._join_persist()
         self._report()
+        if self._nfs is not None:
+            self._nfs.close()
+            self._nfs = None
 
 
 def _cloned(value: Any) -> Any:

@@ -96,6 +96,62 @@ def storage_rate(directory: Path, nbytes: int, writes: int = STORAGE_WRITES) -> 
     }
 
 
+def remote_storage_rate(
+    net_dir: Path,
+    host: str,
+    url: str,
+    nbytes: int,
+    writes: int = STORAGE_WRITES,
+    prefix: Sequence[str] = (),
+    timeout: float = 600.0,
+) -> dict[str, Any]:
+    """Write ``nbytes`` to the NFS ``url`` from inside ``host`` (the workers' path), ``writes`` times.
+
+    The probe (:mod:`experiments.bench.storage_probe`) writes through :mod:`checkmate.nfs` as the
+    peers do: ``written_MBps`` when the server answered every WRITE, ``durable_MBps`` after the
+    COMMIT and CLOSE (what a peer's checkpoint costs: the client commits every file it closes).
+    RuntimeError with the probe's output when it fails or does not finish within ``timeout``.
+    """
+    import json
+    import subprocess
+
+    from experiments.bench.network import host_environment
+    from experiments.commands import NET, REPO
+
+    if nbytes <= 0:
+        raise ValueError(f"a storage measurement needs a positive size, not {nbytes}")
+    argv = [
+        *NET,
+        "exec",
+        "--run-dir",
+        str(net_dir),
+        host,
+        "--",
+        *prefix,
+        "-m",
+        "experiments.bench.storage_probe",
+    ]
+    argv += [url, str(nbytes), str(writes)]
+    try:
+        done = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
+            env=host_environment(),
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the remote storage probe did not finish within {timeout:.0f} s") from None
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"the remote storage probe failed ({done.returncode}): {done.stderr.strip()[-1500:]}"
+        )
+    found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return found
+
+
 def fabric_rate(
     topology: Path, workers: int, work_dir: Path, prefix: Sequence[str] = (), timeout: float = 300.0
 ) -> dict[str, Any]:
@@ -188,10 +244,19 @@ def header_line(emulation: Mapping[str, Any] | None) -> str:
             f"{fabric['mib']} MiB): gloo {fabric['gloo_busbw_MBps']:.1f} MB/s, Checkmate's ring "
             f"{fabric['checkmate_busbw_MBps']:.1f} MB/s"
         )
+    remote = emulation.get("remote_storage") or {}
+    if remote.get("durable_MBps") is not None:
+        parts.append(
+            f"the peers' remote storage (NFS on the storage host, link shaped to "
+            f"{remote.get('link_mbit', 0):.0f} Mbit/s: {remote.get('shaped_by', 'given')}; "
+            f"{remote['bytes'] / 1e6:.1f} MB writes from a worker): "
+            f"{remote['written_MBps']:.1f} MB/s written, {remote['durable_MBps']:.1f} MB/s committed"
+        )
     storage = emulation.get("storage") or {}
+    whose = "this machine's local" if remote else "the peers'"
     if storage.get("buffered_MBps") is not None:
         parts.append(
-            f"the peers' storage ({storage['bytes'] / 1e6:.1f} MB writes): "
+            f"{whose} storage ({storage['bytes'] / 1e6:.1f} MB writes): "
             f"{storage['buffered_MBps']:.0f} MB/s buffered, {storage['durable_MBps']:.0f} MB/s with fsync"
         )
     compute = emulation.get("compute") or {}

@@ -26,10 +26,25 @@ from dataclasses import replace
 from typing import Any
 
 from experiments.bench import partition
-from experiments.bench.config import BASELINE_KINDS, GLOO, SHADOW_NICE, BenchConfig, System, worker_names
+from experiments.bench.config import (
+    BASELINE_KINDS,
+    GLOO,
+    SHADOW_NICE,
+    BenchConfig,
+    BenchError,
+    System,
+    worker_names,
+)
 from experiments.bench.cpu_time import CpuClock
 from experiments.bench.figures import LogFigures, figures, read_log
 from experiments.bench.report import BenchResult, atomic_write_text, machine_info
+from experiments.bench.storage_host import (
+    StorageHost,
+    StorageHostError,
+    cited_rate,
+    storage_url,
+    with_storage_host,
+)
 from experiments.bench.worker_account import AccountSample, SyscallWindow, account, take_account
 from experiments.commands import REPO, JobError
 from experiments.job import JobConfig, JobHooks, JobRun
@@ -69,9 +84,13 @@ class BenchRun:
         topology = TOPOLOGY
         workers = worker_names(config.workers)
         base = json.loads(TOPOLOGY.read_text())
-        if any(w not in base["hosts"] for w in workers):
-            topology = config.work_dir.resolve() / f"topology-{config.workers}-workers.json"
-            atomic_write_text(topology, json.dumps(scaled_topology(base, config.workers), indent=2))
+        if any(w not in base["hosts"] for w in workers) or config.storage == "remote":
+            data = scaled_topology(base, config.workers)
+            name = f"topology-{config.workers}-workers"
+            if config.storage == "remote":  # the storage host on its own switch port (storage_host)
+                data, name = with_storage_host(data), f"{name}-storage"
+            topology = config.work_dir.resolve() / f"{name}.json"
+            atomic_write_text(topology, json.dumps(data, indent=2))
         job_config = JobConfig(
             iterations=config.iterations,
             kill_iteration=None,
@@ -98,6 +117,8 @@ class BenchRun:
         self._account_first: AccountSample | None = None
         self._account: dict[str, Any] | None = None
         self._syscalls: SyscallWindow | None = None
+        self._storage: StorageHost | None = None
+        self._checkpoint_size: int | None = None
 
     def run_all(self) -> BenchResult:
         """Every selected system, ``rounds`` times (later rounds in alternating order); teardown always."""
@@ -115,6 +136,8 @@ class BenchRun:
                 result.emulation = self._measure_emulation()
             self.job.prepare()
             self.job.bring_up_network()
+            if self.bench.storage == "remote":
+                self._start_storage(result)
             self.job.add_job()
             self._job_at_switch = True
             for round_number in range(self.bench.rounds):
@@ -128,6 +151,8 @@ class BenchRun:
                         continue
                     result.runs.setdefault(system.name, []).append(figs)
         finally:
+            if self._storage is not None:
+                self._storage.stop()
             self.job.teardown()
             if pinned is not None:
                 partition.pin_process(0, own_mask)
@@ -147,6 +172,7 @@ class BenchRun:
         except (ImportError, ValueError, TypeError) as exc:
             logger.warning("no checkpoint size for %s: %s", self.bench.model_args, exc)
             size = None
+        self._checkpoint_size = size
         return measure(
             self.job.config.topology,
             self.bench.workers,
@@ -155,6 +181,54 @@ class BenchRun:
             self.bench.work_dir.resolve() / "emulation",
             prefix,
         )
+
+    def _start_storage(self, result: BenchResult) -> None:
+        """The storage host serving, its link shaped, its write rate measured from a worker (issue 27).
+
+        BenchError (the whole run fails, nothing written) when it cannot serve: every peer would fail.
+        """
+        from experiments.bench.emulation import remote_storage_rate
+
+        emulation = result.emulation if result.emulation is not None else {"errors": {}}
+        result.emulation = emulation
+        fabric = emulation.get("fabric") or {}
+        try:
+            if self.bench.storage_mbit is not None:
+                rate_mbit, shaped_by = self.bench.storage_mbit, "--storage-mbit"
+            else:
+                cited = cited_rate(
+                    fabric.get("gloo_busbw_MBps") or 0.0, self.bench.workers, self.bench.storage_cluster
+                )
+                rate_mbit, shaped_by = cited.rate_mbit, cited.describe()
+            assert self.job.network is not None
+            self._storage = StorageHost(self.job.net_dir, self.job.network, self.job.work / "storage")
+            self.renamer.say(f"storage host: NFS (nfs-ganesha), link shaped to {rate_mbit:.0f} Mbit/s")
+            self._storage.start(rate_mbit)
+        except StorageHostError as exc:
+            raise BenchError(f"--storage remote: {exc}") from None
+        remote: dict[str, Any] = {
+            "link_mbit": round(rate_mbit, 3),
+            "shaped_by": shaped_by,
+            "url": storage_url(),
+        }
+        if self._checkpoint_size is None:
+            emulation["errors"]["remote_storage"] = "the workload states no checkpoint size"
+        else:
+            pinned = self.bench.partition if self.bench.placement == "partitioned" else None
+            python = self.job.config.python
+            prefix = (
+                (*partition.exec_prefix(pinned.workers, python), python) if pinned is not None else (python,)
+            )
+            try:
+                remote.update(
+                    remote_storage_rate(
+                        self.job.net_dir, self.job.config.workers[0], storage_url(".probe"),
+                        self._checkpoint_size, prefix=prefix,
+                    )
+                )  # fmt: skip
+            except (RuntimeError, ValueError) as exc:
+                raise BenchError(f"--storage remote: the storage host does not take writes: {exc}") from None
+        emulation["remote_storage"] = remote
 
     def _run_system(self, system: System, round_number: int, result: BenchResult) -> LogFigures:
         job = self.job
@@ -215,9 +289,12 @@ class BenchRun:
         if system.checkpoint in BASELINE_KINDS:
             assert system.every is not None
             checkpoints = self.job.work / "checkpoints" / system.name
+            where = str(checkpoints)
+            if self._storage is not None:  # the export's directory on this machine's disk
+                checkpoints, where = self._storage.local_path(system.name), storage_url(system.name)
             shutil.rmtree(checkpoints, ignore_errors=True)
             extra += ["--checkpoint", system.checkpoint, "--checkpoint-every", str(system.every)]
-            extra += ["--checkpoint-dir", str(checkpoints)]
+            extra += ["--checkpoint-dir", where]
         if system.checkpoint == "host-replication" or system.name == "ideal-cm-transport":
             # host mode never tags; without shadows in the job file it copies nothing either
             env["CHECKMATE_REPLICATION"] = "host"

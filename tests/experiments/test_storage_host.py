@@ -230,3 +230,18 @@ def test_the_storage_options_are_checked_before_anything_starts() -> None:
     if _missing() is None:
         remote = config("--storage", "remote", "--storage-mbit", "200")
         assert (remote.storage, remote.storage_mbit) == ("remote", 200.0)  # type: ignore[attr-defined]
+
+
+def test_the_docs_header_names_the_remote_storage_and_its_shaping() -> None:
+    from experiments.bench.emulation import header_line
+
+    line = header_line(
+        {
+            "remote_storage": {"link_mbit": 64.0, "shaped_by": "llama3-405b: 4.84 all-reduces",
+                               "bytes": 1643520, "written_MBps": 8.09, "durable_MBps": 7.84},
+            "storage": {"bytes": 1643520, "buffered_MBps": 2514.0, "durable_MBps": 94.0},
+        }
+    )  # fmt: skip
+    assert "remote storage (NFS on the storage host, link shaped to 64 Mbit/s: llama3-405b" in line
+    assert "8.1 MB/s written, 7.8 MB/s committed" in line
+    assert "this machine's local storage (1.6 MB writes): 2514 MB/s buffered" in line
