@@ -1,6 +1,6 @@
 """Benchmark (not a test): Checkmate ring all-reduce and DDP step time vs gloo, on loopback.
 
-    .venv/bin/python -m hosts.benchmark [--worlds 2 3 4] [--mib 16] [--reps 7] [--steps 10]
+    .venv/bin/python -m hosts.benchmark [--worlds 2 3 4] [--mib 16] [--reps 7] [--warmup 6] [--steps 10]
 
 Each world size N runs in its own processes (one per rank, ``torch.set_num_threads(1)``) and
 measures, per rank: gloo's all-reduce and Checkmate's ring all-reduce
