@@ -23,7 +23,7 @@ from fsspec import AbstractFileSystem, register_implementation
 from checkmate.nfs import DEFAULT_TIMEOUT_S, NFSURL, SCHEME, NFSClient, NFSError
 
 
-class NFSFileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyped
+class NFSFileSystem(AbstractFileSystem):
     """One NFS export as an fsspec filesystem; paths are inside the export (``/a/b``)."""
 
     protocol = "nfs"

@@ -248,7 +248,7 @@ def header_line(emulation: Mapping[str, Any] | None) -> str:
     if remote.get("durable_MBps") is not None:
         parts.append(
             f"the peers' remote storage (NFS on the storage host, link shaped to "
-            f"{remote.get('link_mbit', 0):.0f} Mbit/s: {remote.get('shaped_by', 'given')}; "
+            f"{remote.get('link_mbit', 0):.3g} Mbit/s: {remote.get('shaped_by', 'given')}; "
             f"{remote['bytes'] / 1e6:.1f} MB writes from a worker): "
             f"{remote['written_MBps']:.1f} MB/s written, {remote['durable_MBps']:.1f} MB/s committed"
         )

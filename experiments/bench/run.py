@@ -202,7 +202,7 @@ class BenchRun:
                 rate_mbit, shaped_by = cited.rate_mbit, cited.describe()
             assert self.job.network is not None
             self._storage = StorageHost(self.job.net_dir, self.job.network, self.job.work / "storage")
-            self.renamer.say(f"storage host: NFS (nfs-ganesha), link shaped to {rate_mbit:.0f} Mbit/s")
+            self.renamer.say(f"storage host: NFS (nfs-ganesha), link shaped to {rate_mbit:.3g} Mbit/s")
             self._storage.start(rate_mbit)
         except StorageHostError as exc:
             raise BenchError(f"--storage remote: {exc}") from None
