@@ -4,7 +4,9 @@ With ``TransportConfig.datapath == "native"`` (the default where :mod:`hosts.nat
 transport's socket is served by one :class:`NativeDatapath`: it owns the C engine
 (``hosts.native._datapath.Engine``) whose thread ``cm-native`` reads, checks, acknowledges,
 reduces and forwards every DATA datagram of a native ring, keeps every flow (windows, SACK/NACK,
-RTO) and sleeps until its next deadline. Python sees only what is not per datagram of a ring:
+RTO) and sleeps until its next deadline; its second thread ``cm-native-tx`` writes the DATA it
+queues (UDP GSO runs), so the kernel's send path runs beside the receive and the reductions.
+Python sees only what is not per datagram of a ring:
 
 * ``EV_DONE``: a ring op completed (:meth:`hosts.ring_allreduce.RingAllReduce` sets its future);
 * ``EV_FAIL``: a peer stopped acknowledging (the job's failure callback, as on the Python path);

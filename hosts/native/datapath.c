@@ -9,9 +9,11 @@
  * persistent gap; send windows, SACK/NACK/RTO retransmissions with RETRANSMIT, RTT estimate,
  * dead peers), and for ring jobs does hosts/ring_allreduce.py's _apply: reduce (fp32; bf16 and
  * fp16 through float, rounded to nearest even like torch's add_), store, forward with
- * REPLICATE on the owner's first all-gather send. DATA leaves in UDP GSO runs at the end of
- * each burst. The same thread serves the timers: it sleeps in ppoll until the next deadline
- * (none: until woken), so an idle engine never wakes.
+ * REPLICATE on the owner's first all-gather send. DATA is handed to a second thread
+ * (cm-native-tx, Tx below) that writes it in UDP GSO runs while the engine goes on; the finals of
+ * a rank's own chunk are received straight into the result where predictable (direct_read).
+ * The engine's thread serves the timers: it sleeps in ppoll until the next deadline (none: until
+ * woken), so an idle engine never wakes.
  *
  * Everything else (repair requests, unknown types, runts, DATA of jobs without a native ring)
  * goes up to Python as an event; so do op completions, peer failures and tap records. Events
