@@ -65,7 +65,7 @@ from checkmate.tensors import tensor_payload
 from hosts import ddp_gradients
 from hosts.c10d_backend import CheckmateProcessGroup
 from hosts.control_channel import ControlChannel, ControlConfig
-from hosts.ddp_commits import _plain
+from hosts.ddp_commits import _plain, hyperparameter_changes
 from hosts.ddp_config import (
     CheckmateConfig,
     CheckmateConfigError,
@@ -384,13 +384,7 @@ class FsdpCheckmateAgent(GradientGuard):
         self.ring.release_through(iteration - self.config.keep_iterations)
         if self.rank != 0:
             return
-        changed: list[dict[str, Any]] = []
-        for i, group in enumerate(self.optimizer.param_groups):
-            now = {k: _plain(v) for k, v in group.items() if k not in ("params", "lr")}
-            before = self._last_hyper[i] if i < len(self._last_hyper) else {}
-            changed.append({k: v for k, v in now.items() if before.get(k) != v})
-            if i < len(self._last_hyper):
-                self._last_hyper[i].update(now)
+        changed = hyperparameter_changes(self.optimizer, self._last_hyper)
         commit = Commit(
             job_id=self.config.job_id,
             iteration=iteration,

@@ -78,6 +78,20 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def hyperparameter_changes(
+    optimizer: torch.optim.Optimizer, last: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Per param group, the hyperparameters (``lr`` aside) that changed since ``last``, which is updated."""
+    changed: list[dict[str, Any]] = []
+    for i, group in enumerate(optimizer.param_groups):
+        now = {k: _plain(v) for k, v in group.items() if k not in ("params", "lr")}
+        before = last[i] if i < len(last) else {}
+        changed.append({k: v for k, v in now.items() if before.get(k) != v})
+        if i < len(last):
+            last[i].update(now)
+    return changed
+
+
 class ShadowMessages:
     """Rank 0's side of the control channel (other ranks keep the counters and send nothing)."""
 
@@ -384,13 +398,7 @@ class ShadowMessages:
             self._committed_position = position
         if self.rank != 0:
             return
-        changed: list[dict[str, Any]] = []
-        for i, group in enumerate(self.optimizer.param_groups):
-            now = {k: _plain(v) for k, v in group.items() if k not in ("params", "lr")}
-            before = self._last_hyper[i] if i < len(self._last_hyper) else {}
-            changed.append({k: v for k, v in now.items() if before.get(k) != v})
-            if i < len(self._last_hyper):
-                self._last_hyper[i].update(now)
+        changed = hyperparameter_changes(self.optimizer, self._last_hyper)
         commit = Commit(
             job_id=self.config.job_id,
             iteration=iteration,
