@@ -41,7 +41,7 @@ from tests.topologies.test_ddp_over_switch import (
     _wait_files,
 )
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.slow]  # 103 s: the network comes up and down
 
 WORKERS = ("h1", "h2")
 JOB_ID = 52
