@@ -705,27 +705,42 @@ def _write_rate(disk_bench: Mapping[str, Any], state_bytes: float) -> float:
     return float(best["bytes_written"]) / float(best["seconds_per_write"])
 
 
-def _run_write_rate(run: Mapping[str, Any], state_bytes: float) -> float | None:
-    """Bytes/s the peers' storage took in the run's own emulation check (None: not measured there).
+def _run_write_rate(run: Mapping[str, Any], state_bytes: float) -> tuple[float, str] | None:
+    """Bytes/s the peers' storage took in the run's own emulation check, and where that figure is
+    from (None: not measured there, or at another size than this checkpoint's).
 
-    ``make bench`` writes the workload's checkpoint size into the peers' checkpoint directory
-    before the systems run (experiments.bench.emulation); buffered, as ``torch.save`` writes.
+    ``make bench`` writes the workload's checkpoint size where the peers write before the systems
+    run (experiments.bench.emulation). With ``--storage remote`` the peers wrote to the storage
+    host over NFS: its ``remote_storage`` figure, durable (the client commits every file it
+    closes), is the one their checkpoints paid; otherwise the local directory's, buffered, as
+    ``torch.save`` writes.
     """
-    storage = (run.get("emulation") or {}).get("storage") or {}
-    rate = storage.get("buffered_MBps")
-    if not isinstance(rate, (int, float)) or rate <= 0 or not storage.get("bytes"):
-        return None
-    if abs(math.log(float(storage["bytes"]) / state_bytes)) > math.log(2):
-        return None  # measured at another size than this checkpoint's
-    return float(rate) * 1e6
+    emulation = run.get("emulation") or {}
+    for key, rate_field, source in (
+        ("remote_storage", "durable_MBps", REMOTE_RATE_SOURCE),
+        ("storage", "buffered_MBps", LOCAL_RATE_SOURCE),
+    ):
+        storage = emulation.get(key) or {}
+        rate = storage.get(rate_field)
+        if not isinstance(rate, (int, float)) or rate <= 0 or not storage.get("bytes"):
+            continue
+        if abs(math.log(float(storage["bytes"]) / state_bytes)) > math.log(2):
+            continue  # measured at another size than this checkpoint's
+        return float(rate) * 1e6, source
+    return None
+
+
+LOCAL_RATE_SOURCE = "bench.json emulation.storage: this run's peers' directory, buffered, measured"
+REMOTE_RATE_SOURCE = "bench.json emulation.remote_storage: the run's storage host over NFS, durable, measured"
 
 
 def machine_check(bench: Path = DEFAULT_BENCH, disk_bench: Path = DEFAULT_DISK_BENCH) -> list[MachineCheck]:
     """The model fed this machine's measured figures, next to make bench's measured ratios.
 
     Per workload (partitioned runs): the iteration time is ``ideal-gloo``'s, the write rate
-    the one the run measured into the peers' own checkpoint directory at the checkpoint's
-    size (bench.json ``emulation.storage``), else the shadow disk benchmark's at the nearest
+    the one the run measured where the peers wrote at the checkpoint's size (bench.json
+    ``emulation.remote_storage`` with ``--storage remote``, else ``emulation.storage``), else
+    the shadow disk benchmark's at the nearest
     size; one writer (rank 0 saves everything), the snapshot a copy in host memory (assumed
     5 GB/s). Each peer's predicted ratio to its ideal is ``1 / (1 + overhead(k))``;
     Checkmate's is ``1 / (1 + 0)``.
@@ -744,9 +759,10 @@ def machine_check(bench: Path = DEFAULT_BENCH, disk_bench: Path = DEFAULT_DISK_B
             continue
         T = systems["ideal-gloo"]["mean_iteration_ms"] / 1e3
         state, state_source = _state_bytes(run)
-        rate = _run_write_rate(run, state)
-        rate_source = "bench.json emulation.storage: this run's peers' directory, buffered, measured"
-        if rate is None:
+        measured = _run_write_rate(run, state)
+        if measured is not None:
+            rate, rate_source = measured
+        else:
             if disk is None:
                 try:
                     disk = json.loads(disk_bench.read_text())

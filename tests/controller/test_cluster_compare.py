@@ -253,6 +253,25 @@ def test_the_machine_check_takes_the_runs_own_storage_measurement(tmp_path: Path
     assert check.write_rate_mb_s == pytest.approx(100.0) and "shadow_disk_bench" in check.write_rate_source
 
 
+def test_the_machine_check_takes_the_remote_storage_the_peers_wrote_to(tmp_path: Path) -> None:
+    """--storage remote: the storage host's durable NFS rate, not the local directory's."""
+    bench, disk = _bench_files(tmp_path, 0.5)
+    document = json.loads(bench.read_text())
+    document["runs"][0]["emulation"] = {
+        "storage": {"bytes": 100_000_000, "buffered_MBps": 400.0, "durable_MBps": 90.0},
+        "remote_storage": {"bytes": 100_000_000, "written_MBps": 30.0, "durable_MBps": 25.0},
+    }
+    bench.write_text(json.dumps(document))
+    (check,) = machine_check(bench, disk)
+    assert check.write_rate_mb_s == pytest.approx(25.0) and check.write_s == pytest.approx(4.0)
+    assert "emulation.remote_storage" in check.write_rate_source
+    # a remote probe at another size falls back to the local measurement of the right size
+    document["runs"][0]["emulation"]["remote_storage"]["bytes"] = 1_000_000
+    bench.write_text(json.dumps(document))
+    (check,) = machine_check(bench, disk)
+    assert check.write_rate_mb_s == pytest.approx(400.0)
+
+
 def test_docs_comparison_is_up_to_date(tmp_path: Path) -> None:
     doc = capacity_table.DOC.read_text()
     block = capacity_table.render_compare()
