@@ -23,7 +23,8 @@ The log (``--log``, ``{rank}`` is replaced; appended to, so a restarted job
 adds to it) holds JSON lines: ``{"event": "start", ...}`` per start, one
 ``{"iteration", "loss", "lr", "time", "certified"}`` per iteration
 (``certified``: rank 0's view of the last iteration every shadow applied),
-and ``{"event": "done", "params_sha256", "optimizer_sha256", ...}`` at the end.
+and ``{"event": "done", "params_sha256", "optimizer_sha256", ...}`` at the end (with
+``agent_stats``, the Checkmate agent's counters of the run, when it ran on Checkmate).
 """
 
 from __future__ import annotations
@@ -417,7 +418,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
 
         checkpointer.close()
+        agent_stats: dict[str, Any] = {}
         if agent is not None:
+            # the transport's, ring's and control links' counters of the whole run (retransmissions,
+            # repairs served, ...), taken before close: experiments.bench's worker account reads them
+            agent_stats = {"agent_stats": agent.stats()}
             agent.close()
         else:
             dist.barrier()
@@ -428,6 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             params_sha256=parameters_digest(module.named_parameters()),
             optimizer_sha256=optimizer_digest(optimizer_states_by_name(module, optimizer)),
             time=time.time(),
+            **agent_stats,
         )
         dist.destroy_process_group()
         return 0

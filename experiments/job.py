@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from checkmate.network import Network
+from checkmate.p4.names import ShadowCopies
 from checkmate.wire import CHECKMATE_UDP_PORT
 from controller.job_secrets import JobSecrets
 from experiments.commands import (
@@ -525,7 +526,7 @@ class JobRun:
             logger.warning("cannot read the switch counters: %s", exc)
             return {}
         counters = shown.get("counters", {})
-        packets = sum(s.get("shadow_copies", {}).get("packets", 0) for s in counters.values())
+        packets = sum(s.get(ShadowCopies.NAME, {}).get("packets", 0) for s in counters.values())
         return {"packets": packets, "per_switch": counters}
 
     def teardown(self) -> None:

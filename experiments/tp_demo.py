@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from checkmate.control import DEFAULT_CONTROL_PORT
+from checkmate.p4.names import ShadowCopies
 from checkmate.wire import CHECKMATE_UDP_PORT
 from experiments.commands import NET, REPO, JobError, secret_env
 from experiments.job import JobConfig, JobHooks, JobRun
@@ -305,7 +306,7 @@ class TpDemo:
         )
         shown = json.loads(self.job_run.ctl("job", "show", str(lane.job_id), "--json").stdout)
         counters = shown.get("counters", {})
-        packets = sum(s.get("shadow_copies", {}).get("packets", 0) for s in counters.values())
+        packets = sum(s.get(ShadowCopies.NAME, {}).get("packets", 0) for s in counters.values())
         self.observer.say(
             f"lane {lane.index} (job {lane.job_id}, ranks {ranks}): shadows equal the workers: {equal}; "
             f"the switch copied {packets} packets to its shadows"

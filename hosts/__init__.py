@@ -4,7 +4,9 @@ Workers put fully reduced gradients on the wire once, tagged REPLICATE, so the
 switch can copy them to shadows. The one line for a DDP script is
 ``hosts.enable_checkmate(ddp_model, optimizer)`` (see :mod:`hosts.ddp`); the one
 call to resume after a failure is ``hosts.resume(ddp_model, optimizer)``
-(see :mod:`hosts.recovery`).
+(see :mod:`hosts.recovery`). An FSDP2 (``fully_shard``) script on the ``checkmate``
+backend calls ``hosts.enable_checkmate_fsdp(model, optimizer)`` and resumes with
+``hosts.resume_fsdp`` (see :mod:`hosts.c10d_fsdp` and docs/backend.md).
 
 Modules: :mod:`hosts.transport` (reliable UDP, assembled from :mod:`hosts.transport_io`
 (socket writes, GSO), :mod:`hosts.transport_flow` (windows, ACKs, timers) and
@@ -29,6 +31,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from hosts.c10d_fsdp import FsdpCheckmateAgent, enable_checkmate_fsdp, resume_fsdp  # noqa: F401
     from hosts.ddp import CheckmateAgent, CheckmateConfig, clip_grad_norm_, enable_checkmate  # noqa: F401
     from hosts.protection import UnprotectedError  # noqa: F401
     from hosts.random_state import RandomState  # noqa: F401
@@ -38,7 +41,8 @@ _FROM_DDP = ("CheckmateAgent", "CheckmateConfig", "clip_grad_norm_", "enable_che
 _FROM_RESUME = ("ResumeError", "ResumePoint", "resume", "settle_buckets")
 _FROM_RANDOM_STATE = ("RandomState",)
 _FROM_PROTECTION = ("UnprotectedError",)
-__all__ = [*_FROM_DDP, *_FROM_RESUME, *_FROM_RANDOM_STATE, *_FROM_PROTECTION]
+_FROM_FSDP = ("FsdpCheckmateAgent", "enable_checkmate_fsdp", "resume_fsdp")
+__all__ = [*_FROM_DDP, *_FROM_RESUME, *_FROM_RANDOM_STATE, *_FROM_PROTECTION, *_FROM_FSDP]
 
 
 def __getattr__(name: str) -> Any:
@@ -59,4 +63,8 @@ def __getattr__(name: str) -> Any:
         from hosts import protection
 
         return getattr(protection, name)
+    if name in _FROM_FSDP:
+        from hosts import c10d_fsdp
+
+        return getattr(c10d_fsdp, name)
     raise AttributeError(f"module 'hosts' has no attribute {name!r}")

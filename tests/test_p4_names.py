@@ -25,11 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 TOFINO_P4INFO = P4SRC / "tna" / "checkmate.tofino.p4info.txtpb"
 LIBRARY = ("checkmate", "controller", "embedded_switch", "hosts", "shadow", "topologies", "experiments")
 """Where no table, action or counter name may be a string literal (outside names.py)."""
-KNOWN_LITERALS: dict[str, str] = {
-    "experiments/bench/switch.py": "writes entries with p4runtime-shell by name; not this change's file",
-    "experiments/job.py": "reads shadow_copies from the controller's job status; not this change's file",
-    "experiments/tp_demo.py": "reads shadow_copies from the controller's job status; not this change's file",
-}
+KNOWN_LITERALS: dict[str, str] = {}
 """Files still spelling names out, each with why; remove an entry once it uses checkmate.p4.names."""
 
 

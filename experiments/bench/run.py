@@ -45,7 +45,13 @@ from experiments.bench.storage_host import (
     storage_url,
     with_storage_host,
 )
-from experiments.bench.worker_account import AccountSample, SyscallWindow, account, take_account
+from experiments.bench.worker_account import (
+    AccountSample,
+    SyscallWindow,
+    account,
+    agent_counters,
+    take_account,
+)
 from experiments.commands import REPO, JobError
 from experiments.job import JobConfig, JobHooks, JobRun
 from experiments.launcher import LaunchConfig
@@ -266,6 +272,10 @@ class BenchRun:
             if job.shadows:
                 job.shadows.stop()
         result.cpu.setdefault(system.name, []).append(self._clock.shares(self._cpu_sets()))
+        if self._account is not None:
+            self._account["agent_counters"] = agent_counters(
+                [r for rank in range(len(job.config.workers)) for r in self._done_events(rank)]
+            )
         result.worker_account.setdefault(system.name, []).append(self._account)
         return figures(read_log(self._log_dir / "rank0.jsonl"), system, self.bench.warmup)
 
@@ -358,6 +368,11 @@ class BenchRun:
         if self.bench.placement == "partitioned" and pinned is not None:
             return {"workers": pinned.workers, "infrastructure": pinned.infrastructure}
         return {"all": partition.available_cpus()}
+
+    def _done_events(self, rank: int) -> list[dict[str, Any]]:
+        """``rank``'s last ``done`` record of this run (empty: it has none)."""
+        done = [r for r in read_log(self._log_dir / f"rank{rank}.jsonl") if r.get("event") == "done"]
+        return done[-1:]
 
     # ---- CPU placement ------------------------------------------------------------------------
     def _placement_roles(self) -> dict[str, list[int]]:

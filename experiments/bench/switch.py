@@ -234,6 +234,16 @@ def program_switch(address: str, device_config: Path) -> None:
     """Install routes, the job and the shadow with p4runtime-shell."""
     from p4runtime_sh import shell as sh
 
+    from checkmate.p4.names import (
+        Forward,
+        LookupJob,
+        ReplicateToShadow,
+        RewriteShadowCopy,
+        RouteIpv4,
+        SetJobSlot,
+        SetMulticastGroup,
+        SetShadowDestination,
+    )
     from checkmate.p4.program import P4INFO_PATH
 
     sh.setup(device_id=0, grpc_addr=address, election_id=(0, 1),
@@ -244,20 +254,20 @@ def program_switch(address: str, device_config: Path) -> None:
             (f"{SHADOW_IP}/32", SHADOW, SHADOW_MAC),
             (f"{SENDER_IP}/32", SENDER, SENDER_MAC),
         ):
-            te = sh.TableEntry("route_ipv4")(action="forward")
+            te = sh.TableEntry(RouteIpv4.NAME)(action=Forward.NAME)
             te.match["dst_addr"] = prefix
             te.action["port"], te.action["src_mac"], te.action["dst_mac"] = str(port), SWITCH_MAC, mac
             te.insert()
-        te = sh.TableEntry("lookup_job")(action="set_job_slot")
+        te = sh.TableEntry(LookupJob.NAME)(action=SetJobSlot.NAME)
         te.match["job_id"], te.action["slot"] = str(JOB_ID), str(JOB_SLOT)
         te.insert()
-        te = sh.TableEntry("replicate_to_shadow")(action="set_multicast_group")
+        te = sh.TableEntry(ReplicateToShadow.NAME)(action=SetMulticastGroup.NAME)
         te.match["job_id"], te.match["ingress_port"] = str(JOB_ID), str(SENDER)
         te.match["shard_key"], te.match["next_hop_port"] = "0", str(NEXT_HOP)
         te.action["group"] = str(GROUP)
         te.insert()
         sh.MulticastGroupEntry(GROUP).add(NEXT_HOP, 0).add(SHADOW, RID).insert()
-        te = sh.TableEntry("rewrite_shadow_copy")(action="set_shadow_destination")
+        te = sh.TableEntry(RewriteShadowCopy.NAME)(action=SetShadowDestination.NAME)
         te.match["egress_rid"] = str(RID)
         te.action["src_mac"], te.action["dst_mac"] = SWITCH_MAC, SHADOW_MAC
         te.action["dst_addr"], te.action["dst_port"] = SHADOW_IP, str(SHADOW_UDP_PORT)

@@ -220,7 +220,37 @@ def difference(system: Mapping[str, Any], ideal: Mapping[str, Any]) -> dict[str,
             return round(float(a or 0) - float(b or 0), 3)
         return None
 
-    return {k: sub(system.get(k), ideal.get(k)) for k in ("total", "by_thread", "network", "syscalls")}
+    keys = ("total", "by_thread", "network", "syscalls", "agent_counters")
+    return {k: sub(system.get(k), ideal.get(k)) for k in keys}
+
+
+AGENT_COUNTER_GROUPS = ("transport", "ring")
+"""The parts of ``CheckmateAgent.stats()`` that are counters of the whole run (the rest is state)."""
+
+
+def agent_counters(done_events: Sequence[Mapping[str, Any]]) -> dict[str, float] | None:
+    """The Checkmate agents' own counters, summed over the ranks, per worker-iteration of the run.
+
+    ``done_events``: each rank's ``{"event": "done", "iteration", "agent_stats"}`` record of
+    ``examples/train_lm.py``. They count the whole run (warm-up included), so they explain the
+    account rather than add to it: retransmissions (``transport.retransmit.*``), duplicates
+    received, repairs served to the shadows (``ring.repair_*``), datagrams sent. None when no
+    rank ran on Checkmate (gloo) or a rank has no record.
+    """
+    totals: dict[str, float] = {}
+    iterations = 0
+    for event in done_events:
+        stats = event.get("agent_stats")
+        if not isinstance(stats, Mapping):
+            return None
+        iterations += int(event.get("iteration", -1)) + 1
+        for group in AGENT_COUNTER_GROUPS:
+            for key, value in (stats.get(group) or {}).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    totals[f"{group}.{key}"] = totals.get(f"{group}.{key}", 0) + value
+    if not done_events or iterations <= 0:
+        return None
+    return {k: round(v / iterations, 3) for k, v in sorted(totals.items())}
 
 
 # ---- system calls ---------------------------------------------------------------------------

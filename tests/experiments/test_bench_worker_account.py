@@ -15,6 +15,7 @@ from experiments.bench.cpu_time import TICKS_PER_S
 from experiments.bench.worker_account import (
     SyscallWindow,
     account,
+    agent_counters,
     difference,
     parse_strace_summary,
     read_network,
@@ -99,6 +100,34 @@ def test_difference_lines_up_both_sides() -> None:
     d = difference(a, b)
     assert d["total"] == {"user_ms": 2.5, "voluntary": 2.0}
     assert d["by_thread"] == {"cm-ctl": {"user_ms": 2.0}}
+
+
+def test_agent_counters_per_worker_iteration_from_the_ranks_done_records() -> None:
+    """Summed over the ranks, divided by the iterations they ran; state (control links) left out."""
+    done = [
+        {
+            "event": "done",
+            "iteration": 9,
+            "agent_stats": {
+                "transport": {"retransmit.timeout": 30, "data_sent": 500},
+                "ring": {"repair_datagrams": 100, "ops_started": 10},
+                "control": {"sh1": {"certified": 10}},
+            },
+        },
+        {
+            "event": "done",
+            "iteration": 9,
+            "agent_stats": {"transport": {"retransmit.timeout": 10, "data_sent": 500}, "ring": {}},
+        },
+    ]
+    assert agent_counters(done) == {
+        "ring.ops_started": 0.5,
+        "ring.repair_datagrams": 5.0,
+        "transport.data_sent": 50.0,
+        "transport.retransmit.timeout": 2.0,
+    }
+    assert agent_counters([{"event": "done", "iteration": 9}]) is None  # a gloo run has no agent
+    assert agent_counters([]) is None
 
 
 STRACE_OUTPUT = """\
