@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -72,6 +73,17 @@ def _metrics_port(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _seconds(text: str) -> float:
+    """A finite, non-negative number of seconds (the repair timings)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be finite and not negative")
+    return value
+
+
 _LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 
 
@@ -104,8 +116,17 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="load this shadow's latest snapshot first")
     run.add_argument("--status-file", type=Path, default=None)
     run.add_argument("--horizon", type=int, default=8, help="iterations in flight")
-    run.add_argument("--repair-grace", type=float, default=0.02)
-    run.add_argument("--repair-timeout", type=float, default=0.1)
+    run.add_argument(
+        "--repair-grace", type=_seconds, default=0.02, help="seconds after a commit before its gaps are asked"
+    )
+    run.add_argument(
+        "--repair-max-grace",
+        type=_seconds,
+        default=0.5,
+        help="seconds the grace may grow to while copies keep arriving after their repair was asked "
+        "(late, not lost); equal to --repair-grace for a fixed grace",
+    )
+    run.add_argument("--repair-timeout", type=_seconds, default=0.1)
     run.add_argument("--threads", type=int, default=1, help="torch threads for the optimizer")
     run.add_argument(
         "--apply-threads",
@@ -150,7 +171,11 @@ def _run(args: argparse.Namespace) -> int:
         resume=args.resume,
         status_file=args.status_file,
         horizon=args.horizon,
-        repair=RepairPolicy(grace=args.repair_grace, timeout=args.repair_timeout),
+        repair=RepairPolicy(
+            grace=args.repair_grace,
+            timeout=args.repair_timeout,
+            max_grace=max(args.repair_grace, args.repair_max_grace),
+        ),
         apply_threads=args.apply_threads,
         secret=secret_from_env(),  # read once, here: the node and its links take it as a value
     )

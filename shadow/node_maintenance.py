@@ -104,7 +104,9 @@ class Maintenance(NodeState):
                     "placed_ahead": sum(len(v) for v in epoch.unconfirmed.values()) if epoch else 0,
                 },
                 "drops": dict(sorted(drops.items())),
-                "repairs": dict(vars(repairs)) if repairs else {},
+                "repairs": {**vars(repairs), "grace_s": round(self._repairs.grace, 6)}
+                if repairs is not None and self._repairs is not None
+                else {},
                 "apply": {
                     "iterations": stats.applied_iterations,
                     "seconds": round(stats.apply_seconds, 6),
@@ -179,7 +181,7 @@ class Maintenance(NodeState):
                 continue
             wanted = True
             refused = window.repair_only and any(key[0] == iteration for key in window.repair_only)
-            if now - entry.arrival < self.config.repair.grace and not refused:
+            if now - entry.arrival < repairs.current_grace(now) and not refused:
                 continue  # copies may still be on the way (a refused bucket takes none: no grace)
             if pending is None:
                 window.commit(entry.record)

@@ -156,6 +156,8 @@ class Receiver(NodeState):
         assembly = window.assembly(iteration, bucket_id)
         if assembly.place_bytes(offset, count, payload) is PlaceResult.DUPLICATE:
             window.stats.drops[DropReason.DUPLICATE.value] += 1
+            if self._repairs is not None:
+                self._repairs.note_late_copy(iteration, now)  # filled by a repair before it came?
             return True, self._drop(DropReason.DUPLICATE.value)
         window.stats.placed_packets += 1
         window.stats.placed_elements += count
@@ -237,6 +239,12 @@ class Receiver(NodeState):
         reason = epoch.window.place(header, payload)
         if reason is not None:
             self._drop(reason.value)
+            if (
+                reason in (DropReason.STALE, DropReason.DUPLICATE)
+                and header.msg_type is MessageType.DATA
+                and self._repairs is not None
+            ):
+                self._repairs.note_late_copy(header.iteration, time.monotonic())  # applied through a repair?
             return reason
         self.stats.packets_placed += 1
         self.stats.elements_placed += header.element_count

@@ -35,6 +35,10 @@ class RepairPolicy:
     """Seconds to wait for an answer before asking again (the next worker)."""
     max_attempts: int = 12
     """Requests per (iteration, bucket) before it is declared unrepairable."""
+    max_grace: float = 0.5
+    """Most seconds the grace grows to when copies keep arriving after their repair was asked
+    (late, not lost: a queue on their path); the grace halves back towards ``grace`` after
+    ``GRACE_DECAY_S`` without a late copy. Equal to ``grace``: a fixed grace."""
 
 
 @dataclass
@@ -47,6 +51,10 @@ class RepairStats:
     nacks: int = 0
     timeouts: int = 0
     unrepairable: int = 0
+    late_copies: int = 0
+    """Copies that arrived for an iteration after a repair of it was asked (stale or duplicate)."""
+    grace_raised: int = 0
+    """Times the grace doubled because an iteration's repair proved premature."""
 
 
 @dataclass
@@ -100,8 +108,23 @@ def request_datagram(
     return header, payload
 
 
+GRACE_DECAY_S = 10.0
+"""Seconds without a late copy after which a raised grace halves (towards the policy's)."""
+
+_ASKED_REMEMBERED = 64
+"""Iterations whose repair requests are remembered for telling late copies from lost ones."""
+
+
 class RepairTracker:
-    """Which repairs are outstanding, and what to send next; not thread-safe (the node locks)."""
+    """Which repairs are outstanding, and what to send next; not thread-safe (the node locks).
+
+    The grace before gaps are asked for adapts: a copy that arrives for an iteration after its
+    repair was asked shows that the copies were late, not lost (a switch or host queue longer
+    than the grace), and every such repair cost the workers a resend of data that was on its
+    way. The grace then doubles, once per iteration, up to ``policy.max_grace``, and halves
+    back after ``GRACE_DECAY_S`` without a late copy. Copies that are really lost never arrive,
+    so they leave the grace where it is.
+    """
 
     def __init__(self, policy: RepairPolicy, num_workers: int) -> None:
         self.policy = policy
@@ -110,6 +133,36 @@ class RepairTracker:
         self.buckets: dict[tuple[int, int], BucketRepair] = {}
         self._by_request: dict[int, tuple[int, int]] = {}
         self._next_id = 1
+        self.grace = policy.grace
+        """Seconds after an iteration's commit before its gaps are asked for, now."""
+        self._asked: dict[int, bool] = {}
+        """Iteration -> whether a late copy of it already raised the grace (recent requests only)."""
+        self._last_late: float | None = None
+
+    def current_grace(self, now: float) -> float:
+        """The grace in force at ``now`` (a raised one halves after GRACE_DECAY_S without late copies)."""
+        quiet = self._last_late is not None and now - self._last_late >= GRACE_DECAY_S
+        if self.grace > self.policy.grace and quiet:
+            self.grace = max(self.policy.grace, self.grace / 2)
+            self._last_late = now
+        return self.grace
+
+    def note_late_copy(self, iteration: int, now: float) -> None:
+        """A DATA copy of ``iteration`` arrived stale or duplicate: late if its repair was asked."""
+        raised = self._asked.get(iteration)
+        if raised is None:
+            return  # no repair was asked for it: a plain duplicate (e.g. a retransmission)
+        self.stats.late_copies += 1
+        self._last_late = now
+        if not raised and self.grace < self.policy.max_grace:
+            self._asked[iteration] = True
+            self.grace = min(self.policy.max_grace, max(self.grace * 2, self.policy.grace))
+            self.stats.grace_raised += 1
+            logger.info(
+                "copies of iteration %d arrived after their repair was asked: repair grace now %.3f s",
+                iteration,
+                self.grace,
+            )
 
     def forget_before(self, iteration: int) -> None:
         for key in [k for k in self.buckets if k[0] < iteration]:
@@ -153,6 +206,10 @@ class RepairTracker:
         self._next_id = self._next_id % 0xFFFFFFFF + 1
         repair.attempts += 1
         repair.outstanding = _Outstanding(request_id, worker, now, ranges)
+        if iteration not in self._asked:
+            self._asked[iteration] = False
+            if len(self._asked) > _ASKED_REMEMBERED:
+                del self._asked[next(iter(self._asked))]
         self._by_request[request_id] = key
         self.stats.requests += 1
         self.stats.ranges_requested += len(ranges)

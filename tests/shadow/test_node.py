@@ -362,6 +362,45 @@ def test_gaps_are_repaired_from_another_worker_after_a_nack(node: ShadowNode) ->
         answering.close()
 
 
+def _repairs_when(node: ShadowNode, done: Callable[[dict[str, object]], bool], timeout: float = 5.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        repairs = node.status()["repairs"]
+        if done(repairs) or time.monotonic() > deadline:
+            return repairs
+        time.sleep(0.01)
+
+
+def test_copies_that_arrive_after_their_repair_raise_the_repair_grace(node: ShadowNode) -> None:
+    """Late, not lost: the repair was premature, so the grace doubles (once per iteration)."""
+    answering = FakeWorker("127.0.0.61", nack=False)
+    try:
+        rank0 = join(node, [answering.address, answering.address])
+        sender = worker_socket(answering.address[0])  # copies come from the job's workers only
+        sender.sendto(datagram(0, 0, GRAD[:4]), node.data_address)
+        sender.sendto(datagram(0, 8, GRAD[8:10]), node.data_address)
+        rank0.send(Commit(JOB, 0, [0.1]))
+        assert node.wait_applied(0, 5), node.status()
+        assert answering.requests and node.status()["repairs"]["grace_s"] == pytest.approx(0.01)
+        # iteration 1 arrives whole, twice: duplicates of an iteration never repaired change nothing
+        for _ in range(2):
+            sender.sendto(datagram(1, 0, GRAD), node.data_address)
+        rank0.send(Commit(JOB, 1, [0.1]))
+        assert node.wait_applied(1, 5), node.status()
+        assert node.status()["repairs"]["late_copies"] == 0
+        # the "lost" copies of iteration 0 turn up after all: late
+        sender.sendto(datagram(0, 4, GRAD[4:8]), node.data_address)
+        sender.sendto(datagram(0, 10, GRAD[10:12]), node.data_address)
+        repairs = _repairs_when(node, lambda r: r["late_copies"] == 2)
+        assert repairs["late_copies"] == 2 and repairs["grace_raised"] == 1, repairs
+        assert repairs["grace_s"] == pytest.approx(0.02)
+        want = reference(2)  # the late copies changed nothing applied
+        assert all(torch.equal(node.parameters()[n], want[n]) for n in want)
+        rank0.close()
+    finally:
+        answering.close()
+
+
 def test_a_socket_that_never_drains_defers_repairs_only_for_a_bounded_time(
     node: ShadowNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
