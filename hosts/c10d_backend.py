@@ -13,6 +13,10 @@ Rendezvous is torch's: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``
 its address in the store torch hands the backend. The job secret is the one every Checkmate component
 uses (:func:`checkmate.auth.secret_from_env`: ``CHECKMATE_JOB_SECRET``, ``CHECKMATE_JOB_SECRET_FILE`` or
 the job file); without one the backend refuses to start (:class:`~checkmate.auth.AuthConfigError`).
+The creator torch calls (:func:`create_checkmate_backend`) is the backend's entry point: it reads the
+environment once, fills every unset field of :class:`CheckmateBackendOptions` from it
+(:meth:`CheckmateBackendOptions.resolved`) and hands the group the complete options, the secret as a
+value; nothing below it reads the environment.
 
 Collectives (docs/backend.md has the table):
 
@@ -44,11 +48,13 @@ The parts: :mod:`hosts.c10d_flows` (the flow collectives' messages, receive side
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import socket
 import threading
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -92,7 +98,8 @@ _FLOW_JOB_OFFSET = 1 << 31
 class CheckmateBackendOptions:
     """Optional settings, passed as ``init_process_group(..., pg_options=CheckmateBackendOptions(...))``.
 
-    Every field has an environment default, so a plain ``backend="checkmate"`` needs none.
+    Every field has an environment default, so a plain ``backend="checkmate"`` needs none: the
+    creator (:func:`create_checkmate_backend`) fills the unset ones once (:meth:`resolved`).
     """
 
     bind: str | tuple[str, int] | None = None
@@ -103,8 +110,8 @@ class CheckmateBackendOptions:
     job_id: int | None = None
     """The ring's job id (None: ``CHECKMATE_JOB_ID``, else 1); with ``tag=True`` the one the switch
     and shadows know."""
-    secret: bytes | None = None
-    """The job secret (None: :func:`checkmate.auth.secret_from_env`)."""
+    secret: bytes | None = field(default=None, repr=False)
+    """The job secret (None: the creator's :func:`checkmate.auth.secret_from_env`)."""
     tag: bool = False
     """Tag the all-reduce's fully reduced chunks (REPLICATE, switch mode) as the DDP hook's ring does."""
     datapath: str | None = None
@@ -114,6 +121,19 @@ class CheckmateBackendOptions:
     faults: FaultConfig = field(default_factory=FaultConfig)
     """Injected datagram loss, duplication, reordering (tests; :class:`hosts.faults.FaultConfig`)."""
 
+    def resolved(self, env: Mapping[str, str], secret: bytes, world_size: int) -> CheckmateBackendOptions:
+        """These options with every unset field taken from ``env`` (the creator's one read of the
+        environment) and the job ``secret`` its entry point read; the bind address is looked up only
+        for a group of more than one rank (a lone rank starts no transport)."""
+        job_id = self.job_id if self.job_id is not None else int(env.get("CHECKMATE_JOB_ID", "1"))
+        return dataclasses.replace(
+            self,
+            bind=self.bind if world_size == 1 else _bind_address(self.bind, env),
+            job_id=job_id,
+            secret=secret,
+            datapath=self.datapath or datapath_from_env(env),
+        )
+
 
 def _local_address_towards(host: str) -> str:
     """The local IP the kernel routes to ``host`` from (no datagram is sent)."""
@@ -122,14 +142,16 @@ def _local_address_towards(host: str) -> str:
         return str(probe.getsockname()[0])
 
 
-def _bind_address(options: CheckmateBackendOptions) -> Addr:
-    if options.bind is not None:
-        return resolve(options.bind, default_port=0)
-    if os.environ.get(BIND_ENV):
-        return resolve(os.environ[BIND_ENV], default_port=0)
-    if os.environ.get("CHECKMATE_BIND"):
-        return (resolve(os.environ["CHECKMATE_BIND"])[0], 0)
-    return (_local_address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1")), 0)
+def _bind_address(bind: str | tuple[str, int] | None, env: Mapping[str, str]) -> Addr:
+    """The transport's address: ``bind``, else ``env``'s ``CHECKMATE_BACKEND_BIND`` / ``CHECKMATE_BIND``'s IP,
+    else the local IP routing to ``MASTER_ADDR`` (port 0: any free port)."""
+    if bind is not None:
+        return resolve(bind, default_port=0)
+    if env.get(BIND_ENV):
+        return resolve(env[BIND_ENV], default_port=0)
+    if env.get("CHECKMATE_BIND"):
+        return (resolve(env["CHECKMATE_BIND"])[0], 0)
+    return (_local_address_towards(env.get("MASTER_ADDR", "127.0.0.1")), 0)
 
 
 class CheckmateProcessGroup(ShardedProtection, FlowCollectives, dist.ProcessGroup):
@@ -148,20 +170,18 @@ class CheckmateProcessGroup(ShardedProtection, FlowCollectives, dist.ProcessGrou
         options: CheckmateBackendOptions | None = None,
     ) -> None:
         super().__init__(rank, world_size)  # type: ignore[call-arg]  # (store, ...) builds no Python alias
-        options = options or CheckmateBackendOptions()
-        try:
-            secret = options.secret if options.secret is not None else secret_from_env()
-        except AuthConfigError as exc:
-            raise AuthConfigError(f'torch.distributed backend "{BACKEND_NAME}": {exc}') from None
+        if options is None or options.secret is None or options.job_id is None or options.datapath is None:
+            raise CheckmateBackendError(
+                f'the "{BACKEND_NAME}" group needs resolved options (a secret, a job id, a data path): '
+                'create it with init_process_group(backend="checkmate"), whose creator fills them'
+            )
+        secret, job_id = options.secret, options.job_id
         self._rank = rank
         self._world = world_size
         self._group_name = ""
         self._group_desc = ""
         self._timeout = timeout.total_seconds()
         self.options = options
-        job_id = (
-            options.job_id if options.job_id is not None else int(os.environ.get("CHECKMATE_JOB_ID", "1"))
-        )
         self.job_id = job_id
         self.flow_job_id = (job_id + _FLOW_JOB_OFFSET) % (1 << 32)
         self._lock = threading.Lock()
@@ -182,12 +202,12 @@ class CheckmateProcessGroup(ShardedProtection, FlowCollectives, dist.ProcessGrou
         self._watchdog: threading.Thread | None = None
         if world_size == 1:
             return
-        datapath = options.datapath or datapath_from_env()
+        assert options.bind is not None  # resolved() looks it up for every group of several ranks
         self.transport = Transport(
             TransportConfig(
-                bind=_bind_address(options),
+                bind=resolve(options.bind, default_port=0),
                 peer_timeout=options.peer_timeout,
-                datapath=datapath,
+                datapath=options.datapath,
                 faults=options.faults,
             )
         )
@@ -537,18 +557,28 @@ def _close_all() -> None:
 def create_checkmate_backend(
     backend_options: Any, pg_options: CheckmateBackendOptions | None = None
 ) -> CheckmateProcessGroup:
-    """The creator torch calls for ``backend="checkmate"`` (extended API: store, ranks, timeout, options)."""
+    """The creator torch calls for ``backend="checkmate"`` (extended API: store, ranks, timeout, options).
+
+    The backend's entry point: reads the environment once, here, and passes the complete options
+    (the job secret as a value) to the group.
+    """
     if pg_options is not None and not isinstance(pg_options, CheckmateBackendOptions):
         raise TypeError(
             f'the "{BACKEND_NAME}" backend takes pg_options=CheckmateBackendOptions(...), '
             f"got {type(pg_options).__name__}"
         )
+    options = pg_options or CheckmateBackendOptions()
+    env = dict(os.environ)
+    try:
+        secret = options.secret if options.secret is not None else secret_from_env(env)
+    except AuthConfigError as exc:
+        raise AuthConfigError(f'torch.distributed backend "{BACKEND_NAME}": {exc}') from None
     return CheckmateProcessGroup(
         backend_options.store,
         backend_options.group_rank,
         backend_options.group_size,
         backend_options.timeout,
-        pg_options,
+        options.resolved(env, secret, backend_options.group_size),
     )
 
 

@@ -165,7 +165,9 @@ class FsdpCheckmateAgent(GradientGuard):
         self._param_ids = set(self.names)
         self.comms = self._install_comms(model)
         if _replication_mode(config.replication) == "host" and config.shadow_control:
-            ports = ask_shadow_data_ports(config.shadow_control, config.job_id, config.shadow_connect_timeout)
+            ports = ask_shadow_data_ports(
+                config.shadow_control, config.job_id, config.shadow_connect_timeout, config.secret
+            )
             config = dataclasses.replace(config, shadow_data_ports=ports)
         self.config = config
         host = _replication_mode(config.replication) == "host"
@@ -195,11 +197,17 @@ class FsdpCheckmateAgent(GradientGuard):
         self._digests: GradientDigests | None = None
         start = self._job_start(config.start_iteration)  # collective: every rank gathers
         if self.rank == 0 and config.shadow_control:
-            self._digests = GradientDigests(secret_from_env(), config.job_id)
+            if config.secret is None:
+                raise CheckmateConfigError(
+                    "the configuration carries no job secret: build the agent with "
+                    "hosts.enable_checkmate_fsdp, which reads it, or give CheckmateConfig its secret"
+                )
+            self._digests = GradientDigests(config.secret, config.job_id)
             self.channel = ControlChannel(
                 config.job_id,
                 config.shadow_control,
                 ControlConfig(connect_timeout=config.shadow_connect_timeout),
+                secret=config.secret,
                 unnamed=config.unnamed_shadows,
             )
             up = self.channel.wait_connected(config.shadow_connect_timeout)
@@ -551,6 +559,8 @@ def enable_checkmate_fsdp(
         start_iteration = resume.iteration if start_iteration is None else start_iteration
         optimizer_step = resume.optimizer_step if optimizer_step is None else optimizer_step
     config = config or CheckmateConfig.from_env()
+    if config.secret is None:  # the entry point reads the secret once; the agent passes it down
+        config = dataclasses.replace(config, secret=secret_from_env())
     config = dataclasses.replace(
         config,
         start_iteration=config.start_iteration if start_iteration is None else start_iteration,

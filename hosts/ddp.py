@@ -78,7 +78,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkmate.auth import secret_from_env, secret_or_env
+from checkmate.auth import secret_from_env
 from checkmate.control import BucketSpec, Commit, validate_data_position
 from checkmate.job_state import JobState, JobStateError
 from checkmate.optimizers import check_replayable, pin_implementation
@@ -128,8 +128,11 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
         stateful: Mapping[str, Any] | None = None,
     ) -> None:
         initial_position = None if data_position is None else validate_data_position(data_position)
-        if config.secret is None:  # a script built it without one (enable_checkmate passes it)
-            config = dataclasses.replace(config, secret=secret_or_env(None, "CheckmateAgent"))
+        if config.secret is None:  # the entry point (enable_checkmate) reads it and passes it down
+            raise CheckmateConfigError(
+                "the configuration carries no job secret: build the agent with hosts.enable_checkmate, "
+                "which reads it, or give CheckmateConfig its secret"
+            )
         self.model = ddp_model
         self.optimizer = optimizer
         self.config = config

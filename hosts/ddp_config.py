@@ -259,6 +259,30 @@ class CheckmateConfig:
         )
 
 
+@dataclass(frozen=True)
+class ResumeConfig:
+    """What :func:`hosts.resume` takes from the environment when its caller does not give it (built
+    once, at that entry point, by :meth:`from_env`; the shadows' addresses are :class:`CheckmateConfig`'s)."""
+
+    job_id: int = 1
+    """The first lane's job id (``CHECKMATE_JOB_ID``, default 1); lane t is ``job_id + t``."""
+    tp_degree: int = 1
+    """``CHECKMATE_TP_DEGREE`` (default 1: no tensor parallelism)."""
+    snapshot_dir: str | None = None
+    """``CHECKMATE_SNAPSHOT_DIR``: the shadows' snapshot directory (None: unset)."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ResumeConfig:
+        """Read ``CHECKMATE_JOB_ID``, ``CHECKMATE_TP_DEGREE`` and ``CHECKMATE_SNAPSHOT_DIR`` (no rank
+        needed); CheckmateConfigError naming a variable that is not an integer."""
+        env = os.environ if environ is None else environ
+        return cls(
+            job_id=_int_env(env, "CHECKMATE_JOB_ID", 1),
+            tp_degree=_int_env(env, "CHECKMATE_TP_DEGREE", 1),
+            snapshot_dir=env.get("CHECKMATE_SNAPSHOT_DIR") or None,
+        )
+
+
 def _protection_env(env: Mapping[str, str]) -> ProtectionPolicy:
     """``CHECKMATE_MAX_LAG`` (default 2), ``CHECKMATE_ON_LAG`` (wait|continue), ``CHECKMATE_UNPROTECTED``
     (raise|log), ``CHECKMATE_CERTIFY_TIMEOUT`` (seconds, default 120)."""

@@ -69,7 +69,6 @@ provide the agreed iteration raises :class:`ResumeError` on every rank, naming t
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,13 +94,9 @@ from checkmate.checkpoint.source import (
 from checkmate.control import ShadowStatusError, query_status
 from checkmate.job_state import persistent_buffers
 from checkmate.network import Addr
+from hosts.ddp_config import CheckmateConfig, CheckmateConfigError, ResumeConfig
 
 logger = logging.getLogger(__name__)
-
-SNAPSHOT_DIR_ENV = "CHECKMATE_SNAPSHOT_DIR"
-JOB_ID_ENV = "CHECKMATE_JOB_ID"
-TP_DEGREE_ENV = "CHECKMATE_TP_DEGREE"
-
 
 class ResumeError(RuntimeError):
     """A certified state could not be fetched or does not fit the job; the message says why."""
@@ -325,12 +320,15 @@ def resume(
     ``snapshot_dir`` names each lane's directory with ``{tp_index}``;
     ``merged_dir`` is the lanes' merged universal checkpoint, the last source asked.
     """
-    env = _resume_environment()
-    tp = _tp_degree(env) if tp_degree is None else tp_degree
+    try:  # the entry point's one read of the environment (arguments given here take precedence)
+        settings = ResumeConfig.from_env()
+    except CheckmateConfigError as exc:
+        raise ResumeError(str(exc)) from None
+    tp = settings.tp_degree if tp_degree is None else tp_degree
     if snapshot_dir is None:
-        snapshot_dir = env.get(SNAPSHOT_DIR_ENV) or None
+        snapshot_dir = settings.snapshot_dir
     if shadows is not None and job_id is None:
-        job_id = _job_id(env)
+        job_id = settings.job_id
     if tp < 1:
         raise ResumeError(f"tp_degree {tp}: a tensor-parallel degree is at least 1")
     if tp > 1:
@@ -389,8 +387,6 @@ def _fetch(
     """Rank 0: the state to load and the newest iteration the shadows saw the workers finish."""
     unnamed: frozenset[str] = frozenset()
     if shadows is None:
-        from hosts.ddp import CheckmateConfig
-
         config = CheckmateConfig.from_env()
         shadows = dict(config.shadow_control)
         unnamed = config.unnamed_shadows
@@ -407,31 +403,6 @@ def _fetch(
     if state is None:
         return None
     return state, workers_finished(shadows, min(timeout, 5.0), job_id, unnamed)
-
-
-def _resume_environment() -> dict[str, str]:
-    """The variables :func:`resume` reads when it is not given their values: read once, here, at the
-    entry point (docs/configuration.md); the configuration for the shadows is ``CheckmateConfig.from_env``."""
-    names = (JOB_ID_ENV, TP_DEGREE_ENV, SNAPSHOT_DIR_ENV)
-    return {name: os.environ[name] for name in names if name in os.environ}
-
-
-def _job_id(env: Mapping[str, str]) -> int:
-    """``CHECKMATE_JOB_ID`` (default 1, as :meth:`CheckmateConfig.from_env`), without needing a rank."""
-    text = env.get(JOB_ID_ENV) or "1"
-    try:
-        return int(text)
-    except ValueError:
-        raise ResumeError(f"CHECKMATE_JOB_ID={text!r} is not an integer") from None
-
-
-def _tp_degree(env: Mapping[str, str]) -> int:
-    """``CHECKMATE_TP_DEGREE`` (default 1)."""
-    text = env.get(TP_DEGREE_ENV) or "1"
-    try:
-        return int(text)
-    except ValueError:
-        raise ResumeError(f"CHECKMATE_TP_DEGREE={text!r} is not an integer") from None
 
 
 # ---- tensor parallelism: one lane per TP index ----------------------------------------------
@@ -597,9 +568,6 @@ def _lane_sources(request: _LaneRequest, t: int) -> _LaneSources:
     shadows, job_id = request.shadows, request.job_id
     unnamed: frozenset[str] = frozenset()
     if shadows is None:
-        from hosts.ddp import CheckmateConfig
-        from hosts.ddp_config import CheckmateConfigError
-
         try:
             config = CheckmateConfig.from_env()
         except CheckmateConfigError as exc:

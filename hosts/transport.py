@@ -181,10 +181,10 @@ DATAPATHS = ("native", "python")
 TRANSPORT_ENV = "CHECKMATE_TRANSPORT"
 
 
-def datapath_from_env(environ: Mapping[str, str] | None = None) -> str:
-    """``CHECKMATE_TRANSPORT`` (``native`` or ``python``; unset: ``native``) for entry points."""
-    env = os.environ if environ is None else environ
-    value = env.get(TRANSPORT_ENV, "").strip().lower() or "native"
+def datapath_from_env(environ: Mapping[str, str]) -> str:
+    """``CHECKMATE_TRANSPORT`` (``native`` or ``python``; unset: ``native``) in the environment an entry
+    point read (``CheckmateConfig.from_env``, the backend's creator) and passes here."""
+    value = environ.get(TRANSPORT_ENV, "").strip().lower() or "native"
     if value not in DATAPATHS:
         raise ValueError(f"{TRANSPORT_ENV}={value!r}: expected one of {DATAPATHS}")
     return value

@@ -36,7 +36,6 @@ SECRET_FALLBACKS = frozenset(
         "hosts/transport.py:Transport.add_job",
         "checkmate/control_frame.py:process_auth",
         "shadow/node.py:ShadowNode.__init__",
-        "hosts/ddp.py:CheckmateAgent.__init__",
     }
 )
 """Components a script may build without a secret (their public signatures predate passing it):
