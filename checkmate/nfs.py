@@ -30,11 +30,13 @@ URLs are ``nfs://SERVER/EXPORT/PATH``: the first path component names the export
 server's ``/EXPORT``), the rest a path inside it. Every failure raises :class:`NFSError` (an
 :class:`OSError` with the errno, the operation, the path and libnfs's message): an unreachable
 server, a full export (``ENOSPC``), a server that does not answer within the timeout
-(``ETIMEDOUT``).
+(``ETIMEDOUT``; libnfs's own "Command was cancelled", errno 4, is reported as that timeout when
+the call ran that long, else as a lost connection, ``ECONNABORTED``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -44,6 +46,8 @@ import os
 import re
 import stat
 import threading
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +159,7 @@ def load_library() -> ctypes.CDLL:
             "nfs_ftruncate": (i32, [vp, vp, u64]),
             "nfs_stat64": (i32, [vp, cp, ctypes.POINTER(_Stat64)]),
             "nfs_mkdir": (i32, [vp, cp]),
+            "nfs_mkdir2": (i32, [vp, cp, i32]),
             "nfs_rmdir": (i32, [vp, cp]),
             "nfs_unlink": (i32, [vp, cp]),
             "nfs_rename": (i32, [vp, cp, cp]),
@@ -199,6 +204,7 @@ class NFSClient:
         self.server, self.export, self.timeout = server, export, timeout
         self._lib = load_library()
         self._lock = threading.RLock()
+        self._call_started = time.monotonic()
         self._ctx: int | None = self._lib.nfs_init_context()
         if not self._ctx:
             raise NFSError(errno.ENOMEM, "nfs_init_context failed")
@@ -212,6 +218,7 @@ class NFSClient:
             raise NFSError(errno.EINVAL, f"libnfs refuses {options}: {message.decode() if message else '?'}")
         self._lib.nfs_destroy_url(url)
         try:
+            self._call_started = time.monotonic()
             self._check(self._lib.nfs_mount(self._ctx, server.encode(), export.encode()), "mount", export)
         except NFSError:
             self.close()
@@ -235,7 +242,7 @@ class NFSClient:
         self.close()
 
     def close(self) -> None:
-        with self._lock:
+        with self.calling():
             if self._ctx:
                 self._lib.nfs_destroy_context(self._ctx)
             self._ctx = None
@@ -245,6 +252,13 @@ class NFSClient:
         if not self._ctx:
             raise NFSError(errno.EBADF, f"the NFS client of {self.server}:{self.export} is closed")
         return self._ctx
+
+    @contextlib.contextmanager
+    def calling(self) -> Iterator[None]:
+        """Hold the client's lock for one libnfs call, noting when it began (see :meth:`_check`)."""
+        with self._lock:
+            self._call_started = time.monotonic()
+            yield
 
     def _check(self, result: int, operation: str, path: str) -> int:
         """``result`` when >= 0; else NFSError with libnfs's errno (a negative result) and message."""
@@ -262,12 +276,25 @@ class NFSClient:
         if "timed out" in detail:  # libnfs reports its own timeout as EINTR
             code = errno.ETIMEDOUT
             detail = f"{detail} (no answer within {self.timeout:g} s)"
+        elif "cancelled" in detail:
+            # libnfs 4.0 fails every call in flight with EINTR "Command was cancelled" when it gives the
+            # connection up: after the timeout (a server too slow or silent) or when the connection drops
+            took = time.monotonic() - self._call_started
+            if took >= 0.9 * self.timeout:
+                code = errno.ETIMEDOUT
+                detail = (
+                    f"the server did not complete the call within the client's {self.timeout:g} s timeout "
+                    f"(libnfs: {detail})"
+                )
+            else:
+                code = errno.ECONNABORTED
+                detail = f"the connection to the server was lost after {took:.1f} s (libnfs: {detail})"
         raise NFSError(code, f"NFS {operation} {self.server}:{self.export}{path}: {detail}")
 
     # ---- paths ----------------------------------------------------------------------------------
     def stat(self, path: str) -> os.stat_result:
         found = _Stat64()
-        with self._lock:
+        with self.calling():
             self._check(self._lib.nfs_stat64(self.context, path.encode(), ctypes.byref(found)), "stat", path)
         return os.stat_result(
             (found.mode, found.ino, found.dev, found.nlink, found.uid, found.gid, found.size,
@@ -291,17 +318,17 @@ class NFSClient:
                 return False
             raise
 
-    def mkdir(self, path: str) -> None:
-        with self._lock:
-            self._check(self._lib.nfs_mkdir(self.context, path.encode()), "mkdir", path)
+    def mkdir(self, path: str, mode: int = 0o755) -> None:
+        with self.calling():
+            self._check(self._lib.nfs_mkdir2(self.context, path.encode(), mode), "mkdir", path)
 
-    def makedirs(self, path: str, exist_ok: bool = True) -> None:
+    def makedirs(self, path: str, exist_ok: bool = True, mode: int = 0o755) -> None:
         """``path`` and every missing parent; FileExistsError-like NFSError unless ``exist_ok``."""
         parts = [p for p in path.split("/") if p]
         for depth in range(1, len(parts) + 1):
             partial = "/" + "/".join(parts[:depth])
             try:
-                self.mkdir(partial)
+                self.mkdir(partial, mode)
             except NFSError as exc:
                 if exc.errno != errno.EEXIST or (depth == len(parts) and not exist_ok):
                     raise
@@ -309,7 +336,7 @@ class NFSClient:
     def listdir(self, path: str) -> list[str]:
         handle = ctypes.c_void_p()
         names: list[str] = []
-        with self._lock:
+        with self.calling():
             self._check(
                 self._lib.nfs_opendir(self.context, path.encode(), ctypes.byref(handle)), "opendir", path
             )
@@ -326,11 +353,11 @@ class NFSClient:
         return sorted(names)
 
     def unlink(self, path: str) -> None:
-        with self._lock:
+        with self.calling():
             self._check(self._lib.nfs_unlink(self.context, path.encode()), "unlink", path)
 
     def rmdir(self, path: str) -> None:
-        with self._lock:
+        with self.calling():
             self._check(self._lib.nfs_rmdir(self.context, path.encode()), "rmdir", path)
 
     def rmtree(self, path: str) -> None:
@@ -346,18 +373,19 @@ class NFSClient:
 
     def rename(self, source: str, target: str) -> None:
         """Atomic on the server, replacing ``target`` (NFS RENAME)."""
-        with self._lock:
+        with self.calling():
             self._check(
                 self._lib.nfs_rename(self.context, source.encode(), target.encode()), "rename", source
             )
 
-    def open(self, path: str, mode: str = "rb", buffering: int = WRITE_CHUNK) -> Any:
+    def open(self, path: str, mode: str = "rb", buffering: int = WRITE_CHUNK, file_mode: int = 0o644) -> Any:
         """A binary file, as :func:`open` gives: buffered (``io.BufferedReader``/``BufferedWriter`` over an
         :class:`NFSFile`, whole reads and large writes), or the :class:`NFSFile` itself with ``buffering=0``.
 
-        ``mode``: ``rb``, ``wb`` (create or truncate), ``xb`` (create, not existing) or ``ab``.
+        ``mode``: ``rb``, ``wb`` (create or truncate), ``xb`` (create, not existing) or ``ab``;
+        ``file_mode``: the permissions of a file it creates.
         """
-        raw = NFSFile(self, path, mode)
+        raw = NFSFile(self, path, mode, file_mode)
         if buffering <= 0:
             return raw
         return io.BufferedReader(raw, buffering) if raw.readable() else io.BufferedWriter(raw, buffering)
@@ -394,7 +422,7 @@ class NFSFile(io.RawIOBase):
         handle = ctypes.c_void_p()
         flags = _OPEN_FLAGS[normal]
         lib = client._lib
-        with client._lock:
+        with client.calling():
             # libnfs may make O_CREAT a guarded create (EEXIST on an existing file), whatever O_EXCL
             # says: open what exists (truncating for wb), create only what does not
             result = -errno.ENOENT
@@ -446,7 +474,7 @@ class NFSFile(io.RawIOBase):
         if not len(view):
             return 0
         target = (ctypes.c_char * len(view)).from_buffer(view)
-        with self.client._lock:
+        with self.client.calling():
             got = self.client._check(
                 self.client._lib.nfs_pread(
                     self.client.context, self._open_handle(), self._position, len(view), target
@@ -469,7 +497,7 @@ class NFSFile(io.RawIOBase):
                 part_buffer: Any = part.tobytes()
             else:
                 part_buffer = (ctypes.c_char * len(part)).from_buffer(part)
-            with self.client._lock:
+            with self.client.calling():
                 wrote = self.client._check(
                     self.client._lib.nfs_pwrite(
                         self.client.context, self._open_handle(), self._position, len(part), part_buffer
@@ -488,7 +516,7 @@ class NFSFile(io.RawIOBase):
 
     def truncate(self, size: int | None = None) -> int:
         size = self._position if size is None else size
-        with self.client._lock:
+        with self.client.calling():
             self.client._check(
                 self.client._lib.nfs_ftruncate(self.client.context, self._open_handle(), size),
                 "truncate",
@@ -498,7 +526,7 @@ class NFSFile(io.RawIOBase):
 
     def fsync(self) -> None:
         """Make what was written durable on the server (NFS COMMIT)."""
-        with self.client._lock:
+        with self.client.calling():
             self.client._check(
                 self.client._lib.nfs_fsync(self.client.context, self._open_handle()), "fsync", self.path
             )
@@ -520,7 +548,7 @@ class NFSFile(io.RawIOBase):
                 self.fsync()
         finally:
             self._handle = None
-            with self.client._lock:
+            with self.client.calling():
                 if self.client._ctx:
                     result = self.client._lib.nfs_close(self.client._ctx, handle)
                 else:
@@ -529,16 +557,26 @@ class NFSFile(io.RawIOBase):
         self.client._check(result, "close", self.path)
 
 
-def write_atomically(client: NFSClient, path: str, write: Callable[[io.BufferedWriter], None]) -> None:
+def temporary_name(path: str) -> str:
+    """A temporary name beside ``path``, unique to this writer: ``DIR/.NAME.tmp-PID-RANDOM``."""
+    directory, _, name = path.rpartition("/")
+    return f"{directory}/.{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def write_atomically(
+    client: NFSClient, path: str, write: Callable[[io.BufferedWriter], object], file_mode: int = 0o644
+) -> None:
     """Write ``path`` all or nothing: ``write`` fills a temporary file, committed, then renamed over it.
 
     When ``write`` or the server fails, the error propagates and ``path`` is as it was (the
     temporary file is removed when the server still answers, else left beside it as
-    ``PATH.tmp``, never under the final name).
+    ``.NAME.tmp-PID-RANDOM``, never under the final name). Each call writes its own temporary
+    file, so writers of the same path (shadows writing one step's ``global.json``) never write
+    into each other's; the last rename wins whole.
     """
-    temporary = f"{path}.tmp"
+    temporary = temporary_name(path)
     try:
-        with client.open(temporary, "wb") as stream:
+        with client.open(temporary, "wb", file_mode=file_mode) as stream:
             write(stream)
     except BaseException:
         try:

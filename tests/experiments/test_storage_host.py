@@ -1,9 +1,8 @@
 """The bench's remote storage: nfs-ganesha in a namespace of its own, written through checkmate.nfs.
 
-The server runs in a network namespace this test makes (a veth pair to the test's own
-namespace, addresses in 10.254.0.0/29), exporting a small tmpfs so that "full" is reachable;
-the client is libnfs through :mod:`checkmate.nfs`. Skipped with the reason when not root or
-when nfs-ganesha, its VFS backend or libnfs is not installed (``make setup`` installs them).
+The server (:mod:`tests.experiments.nfs_server`) exports a small tmpfs so that "full" is
+reachable; the client is libnfs through :mod:`checkmate.nfs`. Skipped with the reason when not
+root or when nfs-ganesha, its VFS backend or libnfs is not installed (``make setup`` installs them).
 """
 
 from __future__ import annotations
@@ -11,11 +10,8 @@ from __future__ import annotations
 import errno
 import io
 import json
-import os
-import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,67 +19,12 @@ import pytest
 from checkmate import nfs
 from experiments.bench import storage_host
 from experiments.bench.storage_host import EXPORT_PSEUDO, NFSServer, StorageHostError
-
-EXPORT_MIB = 48
-
-
-def _missing() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (a network namespace, a tmpfs mount)"
-    return storage_host.ganesha_missing() or nfs.available()
-
-
-needs_server = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
-
-
-def _run(*argv: str) -> None:
-    subprocess.run(argv, check=True, capture_output=True, timeout=15)
-
-
-@dataclass
-class Served:
-    server: NFSServer
-    address: str
-    export_dir: Path
-    namespace: str
-
-    def url(self, path: str) -> str:
-        return f"nfs://{self.address}{EXPORT_PSEUDO}/{path.lstrip('/')}"
-
-    def client(self, timeout: float = 20.0) -> nfs.NFSClient:
-        return nfs.NFSClient(self.address, EXPORT_PSEUDO, timeout)
+from tests.experiments.nfs_server import EXPORT_MIB, UNREACHABLE, Served, missing, needs_server, serve
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    if _missing():
-        pytest.skip(str(_missing()))
-    work = tmp_path_factory.mktemp("nfs")
-    tag = f"cmnfs{os.getpid() % 100000}"
-    namespace, outside, inside = tag, f"{tag}a", f"{tag}b"
-    export_dir = work / "export"
-    export_dir.mkdir()
-    created: list[list[str]] = []
-    server = NFSServer(export_dir, work / "state", prefix=("ip", "netns", "exec", namespace))
-    try:
-        _run("mount", "-t", "tmpfs", "-o", f"size={EXPORT_MIB}m,mode=0755", "tmpfs", str(export_dir))
-        created.append(["umount", "-l", str(export_dir)])
-        _run("ip", "netns", "add", namespace)
-        created.append(["ip", "netns", "del", namespace])
-        _run("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
-        created.append(["ip", "link", "del", outside])
-        _run("ip", "link", "set", inside, "netns", namespace)
-        _run("ip", "addr", "add", "10.254.0.1/29", "dev", outside)
-        _run("ip", "link", "set", outside, "up")
-        for argv in (["addr", "add", "10.254.0.2/29", "dev", inside], ["link", "set", inside, "up"],
-                     ["link", "set", "lo", "up"]):  # fmt: skip
-            _run("ip", "netns", "exec", namespace, "ip", *argv)
-        server.start()
-        yield Served(server, "10.254.0.2", export_dir, namespace)
-    finally:
-        server.stop()
-        for argv in reversed(created):
-            subprocess.run(argv, capture_output=True, timeout=15, check=False)
+    yield from serve(tmp_path_factory)
 
 
 def _state(seed: int = 0) -> dict[str, object]:
@@ -142,7 +83,7 @@ def test_a_full_export_fails_the_write_and_leaves_no_partial_file(served: Served
         with pytest.raises(nfs.NFSError) as caught:
             nfs.write_atomically(client, "/full/checkpoint.pt", lambda f: f.write(too_big))
         assert caught.value.errno in (errno.ENOSPC, errno.EDQUOT), caught.value
-        assert "/full/checkpoint.pt.tmp" in str(caught.value)
+        assert "/full/.checkpoint.pt.tmp-" in str(caught.value)
         assert client.listdir("/full") == []
     assert list((served.export_dir / "full").iterdir()) == []
 
@@ -169,9 +110,9 @@ def test_a_silent_server_fails_the_write_within_the_timeout(served: Served) -> N
 def test_an_unreachable_server_fails_with_a_clear_error(served: Served) -> None:
     started = time.monotonic()
     with pytest.raises(nfs.NFSError) as caught:
-        nfs.NFSClient("10.254.0.3", EXPORT_PSEUDO, timeout=3.0)  # in the link's subnet, nobody there
+        nfs.NFSClient(UNREACHABLE, EXPORT_PSEUDO, timeout=3.0)
     assert time.monotonic() - started < 30
-    assert "10.254.0.3" in str(caught.value) and "mount" in str(caught.value)
+    assert UNREACHABLE in str(caught.value) and "mount" in str(caught.value)
 
 
 @needs_server
@@ -227,7 +168,7 @@ def test_the_storage_options_are_checked_before_anything_starts() -> None:
         config("--storage", "remote", "--storage-cluster", "nowhere")
     with pytest.raises(BenchError, match="--storage-mbit must be above 0"):
         config("--storage", "remote", "--storage-mbit", "0")
-    if _missing() is None:
+    if missing() is None:
         remote = config("--storage", "remote", "--storage-mbit", "200")
         assert (remote.storage, remote.storage_mbit) == ("remote", 200.0)  # type: ignore[attr-defined]
 
