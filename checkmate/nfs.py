@@ -219,7 +219,7 @@ class NFSClient:
         self._lib.nfs_destroy_url(url)
         try:
             self._call_started = time.monotonic()
-            self._check(self._lib.nfs_mount(self._ctx, server.encode(), export.encode()), "mount", export)
+            self._check(self._lib.nfs_mount(self._ctx, server.encode(), export.encode()), "mount", "")
         except NFSError:
             self.close()
             raise

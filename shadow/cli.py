@@ -66,6 +66,19 @@ def _shard_keys(text: str) -> str:
     return text
 
 
+def _snapshot_dir(text: str) -> Path | str:
+    """A local directory, or ``nfs://SERVER/EXPORT/PATH`` kept as text (a Path would fold its ``//``)."""
+    if text.startswith("nfs:"):
+        from checkmate.nfs import NFSURL
+
+        try:
+            NFSURL.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+    return Path(text)
+
+
 def _metrics_port(text: str) -> int:
     try:
         return int(parse_metrics_port(text, "--metrics-port") or 0)
@@ -109,7 +122,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--shard-keys", default=None, type=_shard_keys, help="comma-separated; default: from the job"
     )
-    run.add_argument("--snapshot-dir", type=Path, default=None)
+    run.add_argument(
+        "--snapshot-dir",
+        type=_snapshot_dir,
+        default=None,
+        help="where snapshots go: a directory, or remote storage as nfs://SERVER/EXPORT/PATH (NFSv3, "
+        "written over the network; the status file and a staged --resume step then stay in a local "
+        "directory under the system's temporary directory)",
+    )
     run.add_argument("--snapshot-every", type=int, default=1, help="iterations (0: never by count)")
     run.add_argument("--snapshot-seconds", type=float, default=0.0, help="seconds (0: never by time)")
     run.add_argument("--keep", type=int, default=3)
@@ -159,7 +179,13 @@ def _run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     snapshots = None
     if args.snapshot_dir is not None:
-        snapshots = SnapshotPolicy(args.snapshot_dir, args.snapshot_every, args.snapshot_seconds, args.keep)
+        snapshots = SnapshotPolicy(
+            args.snapshot_dir,  # a URL stays text: SnapshotPolicy keeps it as its remote
+            args.snapshot_every,
+            args.snapshot_seconds,
+            args.keep,
+            stage_latest=args.resume,
+        )
     keys = tuple(int(k) for k in args.shard_keys.split(",")) if args.shard_keys else None
     config = ShadowConfig(
         name=args.name,

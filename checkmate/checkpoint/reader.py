@@ -7,12 +7,19 @@ each tensor read whole against its SHA-256. :func:`read_job_state` reads the
 step's job state (format version 2). Everything that reads a checkpoint on disk
 (the loader, the exports, the CLI, the snapshot-directory state source, the
 universal layouts) reads through this class.
+
+A root given as ``nfs://SERVER/EXPORT/PATH`` (or the ``Path`` of one) is read by staging the
+step first: its files are copied into a temporary local directory (removed with the reader)
+and read from there (:meth:`checkmate.checkpoint.remote.RemoteRoot.stage`); ``root`` and
+``directory`` are then that copy, ``location`` the URL.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +42,7 @@ from checkmate.checkpoint.format import (
     tensor_sha256,
 )
 from checkmate.checkpoint.optim_states import missing_optimizer_states
+from checkmate.checkpoint.remote import RemoteRoot, url_of
 from checkmate.checkpoint.storage import complete_steps
 from checkmate.job_state import JobState, JobStateError
 
@@ -44,7 +52,14 @@ logger = logging.getLogger(__name__)
 class CheckpointReader:
     """A validated view of one complete step; reads only the bytes asked for."""
 
-    def __init__(self, root: Path, step: int | None = None) -> None:
+    def __init__(self, root: str | os.PathLike[str], step: int | None = None, timeout: float = 60.0) -> None:
+        self.location = str(root)
+        """Where the checkpoint is: the root as given, or its NFS URL."""
+        self._staged: tempfile.TemporaryDirectory[str] | None = None
+        url = url_of(root)
+        if url is not None:
+            self.location = url
+            root, step = self._stage(url, step, timeout)
         self.root = Path(root)
         if step is None:
             steps = complete_steps(self.root)
@@ -66,6 +81,19 @@ class CheckpointReader:
         """Elements read from disk, checksummed chunks included (``read`` returns fewer)."""
         self.manifests = self._load_manifests()
         self._validate_coverage()
+
+    def _stage(self, url: str, step: int | None, timeout: float) -> tuple[Path, int]:
+        """Copy ``url``'s step (default: its newest complete one) into this reader's temporary directory."""
+        self._staged = tempfile.TemporaryDirectory(prefix="checkmate-staged-")
+        remote = RemoteRoot(url, timeout)
+        try:
+            step = remote.stage(Path(self._staged.name), step)
+        except BaseException:
+            self._staged.cleanup()
+            raise
+        finally:
+            remote.close()
+        return Path(self._staged.name), step
 
     def _load_manifests(self) -> list[dict[str, Any]]:
         groups: dict[int, list[Path]] = {}

@@ -5,7 +5,8 @@ by name, its optimizer state, the optimizer's description, the job state,
 the data position — as one :class:`RestoredState`, whatever holds it:
 
 * :class:`SnapshotDirectory` — the newest complete universal checkpoint in a
-  directory (the shadows' snapshots on disk), read through
+  directory (the shadows' snapshots on disk, or on an NFS export given as
+  ``nfs://SERVER/EXPORT/PATH``), read through
   :class:`~checkmate.checkpoint.reader.CheckpointReader`;
 * :class:`checkmate.checkpoint.shadow_memory.ShadowMemory` — the latest iteration every shadow holds
   in memory, fetched over their control port.
@@ -17,6 +18,7 @@ Restore code (``hosts.resume``, the shadows' digest command) asks sources throug
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ import torch
 
 from checkmate.checkpoint.format import PARAM_STATE, CheckpointError
 from checkmate.checkpoint.reader import CheckpointReader
+from checkmate.checkpoint.remote import RemoteRoot, url_of
 from checkmate.job_state import JobState
 
 logger = logging.getLogger(__name__)
@@ -112,13 +115,34 @@ def state_of_reader(reader: CheckpointReader, source: str = SOURCE_SNAPSHOT) -> 
     )
 
 
-def shadows_reached(directory: Path) -> int | None:
-    """The latest iteration any shadow reported applied in its status file in ``directory`` (None: none)."""
+def shadows_reached(directory: str | Path) -> int | None:
+    """The latest iteration any shadow reported applied in its status file in ``directory`` (None: none).
+
+    A remote directory (``nfs://``) holds none unless the shadows' status files were put there
+    (``--status-file`` is local): None, unknown.
+    """
     reached = None
-    for path in Path(directory).glob(STATUS_FILES):
+    url = url_of(directory)
+    documents: list[bytes] = []
+    if url is not None:
+        remote = RemoteRoot(url)
         try:
-            applied = json.loads(path.read_text(encoding="utf-8")).get("applied_iteration")
-        except (OSError, ValueError, AttributeError):
+            names = [n for n in remote.listdir() if fnmatch.fnmatch(n, STATUS_FILES)]
+            documents = [remote.read_file(name) for name in names]
+        except OSError as exc:
+            logger.warning("cannot read the shadows' status files in %s: %s", url, exc)
+        finally:
+            remote.close()
+    else:
+        for path in Path(directory).glob(STATUS_FILES):
+            try:
+                documents.append(path.read_bytes())
+            except OSError:
+                continue
+    for document in documents:
+        try:
+            applied = json.loads(document.decode("utf-8")).get("applied_iteration")
+        except (ValueError, AttributeError):
             continue
         if isinstance(applied, int) and (reached is None or applied > reached):
             reached = applied
@@ -131,23 +155,31 @@ class SnapshotDirectory:
     Its state's ``lost_iterations`` says how far the shadows' memory was ahead of
     it, from their status files in the same directory (rewritten once a second,
     so a lower bound); None when there are none.
+
+    ``directory`` may be ``nfs://SERVER/EXPORT/PATH`` (also as the ``Path`` of it, which reads
+    ``nfs:/SERVER/...``): the step is staged locally and read from there; each NFS call is
+    bounded by ``timeout`` (60 s when not given).
     """
 
     kind = SOURCE_SNAPSHOT
 
     def __init__(self, directory: str | Path, step: int | None = None) -> None:
-        self.directory = Path(directory)
+        url = url_of(directory)
+        self.directory: str | Path = url if url is not None else Path(directory)
         self.step = step
 
     def describe(self) -> str:
         return f"snapshots in {self.directory}"
 
     def latest(self, timeout: float = 0.0) -> RestoredState:
-        """Read the step (disk reads take no timeout); SourceError when none is usable."""
+        """Read the step (local reads take no timeout); SourceError when none is usable."""
         try:
-            state = state_of_reader(CheckpointReader(self.directory, self.step))
+            reader = CheckpointReader(self.directory, self.step, timeout if timeout > 0 else 60.0)
+            state = state_of_reader(reader)
         except (CheckpointError, OSError, KeyError) as exc:
             raise SourceError(f"no usable checkpoint in {self.directory}: {exc}") from None
+        if reader.location != str(reader.root):
+            state.detail = f"{reader.location}/{reader.directory.name}"
         reached = shadows_reached(self.directory)
         state.lost_iterations = None if reached is None else max(0, reached - state.iteration)
         return state

@@ -1,0 +1,267 @@
+"""Shadows' snapshots on remote storage (nfs://): written, pointed at, pruned and read back as on a
+local disk, and a storage that is unreachable, full or silent fails a write clearly without
+stopping the writer or leaving ``latest`` on a partial step.
+
+The server is a real nfs-ganesha (:mod:`tests.experiments.nfs_server`); the tests that need none
+(URL handling, the error mapping) run everywhere.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from checkmate import checkpoint as fmt
+from checkmate import nfs
+from checkmate.checkpoint import CheckpointReader
+from checkmate.checkpoint.remote import RemoteRoot, url_of
+from checkmate.checkpoint.source import SnapshotDirectory
+from experiments.bench.storage_host import EXPORT_PSEUDO
+from shadow.snapshots import Snapshot, SnapshotPolicy, Snapshotter, disk_status, local_directory
+from tests.experiments.nfs_server import EXPORT_MIB, UNREACHABLE, Served, needs_server, serve
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    yield from serve(tmp_path_factory)
+
+
+def snapshot(step: int, shard: int = 0, num_shards: int = 1, rows: int = 4) -> Snapshot:
+    weight = torch.full((rows, 4), float(step))
+    return Snapshot(
+        step,
+        shard,
+        num_shards,
+        {f"w{shard}": {"param": weight}},
+        {f"w{s}": ([rows, 4], "torch.float32") for s in range(num_shards)},
+        {"kind": "SGD"},
+        {"data_position": {"epoch": 0, "index": step}},
+    )
+
+
+def policy(url: str, tmp_path: Path, **kwargs: Any) -> SnapshotPolicy:
+    """A remote policy whose local directory is the test's (not the shared temporary one)."""
+    return SnapshotPolicy(tmp_path / "local", remote=url, **kwargs)
+
+
+def wait_for(condition: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+# ---- without a server -------------------------------------------------------------------------
+def test_a_url_names_the_remote_and_the_local_directory_stays_a_path(tmp_path: Path) -> None:
+    given = SnapshotPolicy("nfs://10.0.8.1/checkpoints/shadows")  # type: ignore[arg-type]
+    assert given.remote == "nfs://10.0.8.1/checkpoints/shadows"
+    assert given.directory == local_directory(given.remote)
+    assert given.directory.parts[-3:] == ("10.0.8.1", "checkpoints", "shadows")
+    assert isinstance(given.directory, Path) and "checkmate-snapshots" in given.directory.parts
+    assert url_of(Path("nfs://10.0.8.1/checkpoints/shadows")) == "nfs://10.0.8.1/checkpoints/shadows"
+    assert url_of(tmp_path) is None and url_of("snapshots") is None
+    assert SnapshotPolicy(tmp_path).remote is None
+    with pytest.raises(ValueError, match="names a server and an export"):
+        SnapshotPolicy(tmp_path, remote="nfs://10.0.8.1")
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        SnapshotPolicy(tmp_path, remote="nfs://10.0.8.1/checkpoints", timeout=0)
+
+
+def test_the_shadow_cli_keeps_a_url_and_refuses_a_malformed_one() -> None:
+    from shadow.cli import _parser as build_parser
+
+    base = ["run", "--name", "sh1"]
+    args = build_parser().parse_args([*base, "--snapshot-dir", "nfs://10.0.8.1/checkpoints/shadows"])
+    assert args.snapshot_dir == "nfs://10.0.8.1/checkpoints/shadows"
+    assert build_parser().parse_args([*base, "--snapshot-dir", "snaps"]).snapshot_dir == Path("snaps")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*base, "--snapshot-dir", "nfs://10.0.8.1"])
+
+
+class _Library:
+    """libnfs's error for a call, as the client reads it."""
+
+    def __init__(self, message: bytes) -> None:
+        self.message = message
+
+    def nfs_get_error(self, context: object) -> bytes:
+        return self.message
+
+
+@pytest.mark.parametrize(
+    ("ran_s", "code", "words"),
+    [(3.0, errno.ETIMEDOUT, "within the client's 3 s timeout"), (0.2, errno.ECONNABORTED, "connection")],
+)
+def test_a_cancelled_call_reads_as_the_timeout_or_a_lost_connection(
+    ran_s: float, code: int, words: str
+) -> None:
+    client = object.__new__(nfs.NFSClient)
+    client.server, client.export, client.timeout = "10.0.8.1", "/checkpoints", 3.0
+    client._lib = _Library(b"Command was cancelled")  # type: ignore[assignment]
+    client._ctx = 1
+    client._call_started = time.monotonic() - ran_s
+    with pytest.raises(nfs.NFSError) as caught:
+        client._check(-errno.EINTR, "write", "/shadows/step-00000003/shard-000-of-002.safetensors")
+    assert caught.value.errno == code
+    assert words in str(caught.value) and "Command was cancelled" in str(caught.value)
+    assert "10.0.8.1:/checkpoints/shadows/step-00000003" in str(caught.value)
+
+
+# ---- against a real ganesha -------------------------------------------------------------------
+@needs_server
+def test_snapshots_go_to_the_export_with_latest_and_pruning(served: Served, tmp_path: Path) -> None:
+    url = served.url("written")
+    writer = Snapshotter(policy(url, tmp_path, keep=2))
+    try:
+        for step in range(4):
+            assert writer.offer(step, lambda s=step: snapshot(s))
+            assert writer.flush(30)
+    finally:
+        writer.close()
+    assert writer.stats.written == 4 and writer.stats.failed == 0 and writer.stats.failing is None
+    assert writer.stats.storage == url
+    on_disk = served.export_dir / "written"
+    assert sorted(p.name for p in on_disk.iterdir()) == ["latest", "step-00000002", "step-00000003"]
+    assert fmt.complete_steps(on_disk) == [2, 3] and fmt.read_latest(on_disk) == 3
+    assert not [p for p in on_disk.rglob(".*")]  # no temporary file left
+    assert {oct(p.stat().st_mode & 0o777) for p in on_disk.rglob("*") if p.is_file()} == {"0o600"}
+    # the same files a local writer makes: the reader checks every checksum
+    assert torch.equal(CheckpointReader(on_disk).parameter("w0"), torch.full((4, 4), 3.0))
+    status = disk_status(writer.policy.directory, 5)
+    assert status["newest_complete_step"] == 3 and status["age_iterations"] == 2
+    assert status["storage"] == url and status["failing"] is None
+
+
+@needs_server
+def test_restore_reads_the_url_back(served: Served, tmp_path: Path) -> None:
+    url = served.url("restore")
+    shards = [Snapshotter(policy(url, tmp_path / str(k))) for k in range(2)]
+    try:
+        for k, writer in enumerate(shards):  # both shards of step 7; shard 0 alone of step 8
+            writer.offer(7, lambda k=k: snapshot(7, k, 2))
+            assert writer.flush(30)
+        shards[0].offer(8, lambda: snapshot(8, 0, 2), force=True)
+        assert shards[0].flush(30)
+    finally:
+        for writer in shards:
+            writer.close()
+    state = SnapshotDirectory(url).latest(timeout=20)
+    assert state.iteration == 7 and state.detail == f"{url}/step-00000007"
+    assert torch.equal(state.parameters["w1"], torch.full((4, 4), 7.0))
+    assert state.data_position == {"epoch": 0, "index": 7}
+    # a caller that made a Path of the URL (hosts.resume does) reaches the export too
+    assert SnapshotDirectory(Path(url)).latest().iteration == 7
+    reader = CheckpointReader(url)
+    assert reader.location == url and reader.step == 7 and fmt.read_latest(reader.root) == 7
+    staged = reader.root
+    del reader
+    assert not staged.exists()  # the staged copy goes with the reader
+    from checkmate.checkpoint.source import SourceError
+
+    with pytest.raises(SourceError, match=f"no usable checkpoint in {served.url('nowhere')}"):
+        SnapshotDirectory(served.url("nowhere")).latest(timeout=20)
+
+
+@needs_server
+def test_resume_stages_the_newest_complete_step_locally(served: Served, tmp_path: Path) -> None:
+    url = served.url("resume")
+    writer = Snapshotter(policy(url, tmp_path / "first"))
+    try:
+        writer.offer(4, lambda: snapshot(4))
+        assert writer.flush(30)
+    finally:
+        writer.close()
+    again = Snapshotter(policy(url, tmp_path / "again", stage_latest=True))
+    again.close()
+    local = tmp_path / "again" / "local"
+    assert fmt.complete_steps(local) == [4] and fmt.read_latest(local) == 4
+
+
+@needs_server
+def test_a_full_export_fails_the_write_and_latest_stays_on_the_whole_step(
+    served: Served, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = served.url("full")
+    writer = Snapshotter(policy(url, tmp_path))
+    rows = ((EXPORT_MIB + 8) << 20) // 16  # a shard larger than the export
+    try:
+        writer.offer(1, lambda: snapshot(1))
+        assert writer.flush(30) and writer.stats.failing is None
+        writer.offer(2, lambda: snapshot(2, rows=rows), force=True)
+        wait_for(lambda: writer.stats.failed >= 1, 60)
+        assert writer.stats.written == 1
+        failing = writer.stats.failing or ""
+        assert f"snapshot of step 2 (shard 0) to {url} failed" in failing
+        assert "No space left on device" in failing or "quota" in failing.lower(), failing
+        assert any(url in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
+        status = disk_status(writer.policy.directory, 2)
+        assert status["newest_complete_step"] == 1 and status["failing"] == failing
+        on_disk = served.export_dir / "full"
+        assert fmt.read_latest(on_disk) == 1 and fmt.complete_steps(on_disk) == [1]
+        assert not (on_disk / "step-00000002" / "shard-000-of-001.safetensors").exists()
+        assert not [p for p in (on_disk / "step-00000002").iterdir() if p.name.startswith(".")]
+        # the writer keeps going: the next capture (3) replaces the failed one (2) and is written
+        writer.offer(3, lambda: snapshot(3), force=True)
+        assert writer.flush(30)
+        assert writer.stats.failing is None and writer.stats.written == 2 and writer.stats.last_step == 3
+        assert fmt.read_latest(on_disk) == 3
+    finally:
+        writer.close()
+
+
+@needs_server
+def test_a_silent_server_fails_the_write_within_the_timeout_and_offers_never_wait(
+    served: Served, tmp_path: Path
+) -> None:
+    url = served.url("silent")
+    writer = Snapshotter(policy(url, tmp_path, timeout=3.0))
+    try:
+        writer.offer(1, lambda: snapshot(1))
+        assert writer.flush(30)
+        served.server.pause()
+        try:
+            started = time.monotonic()
+            writer.offer(2, lambda: snapshot(2), force=True)
+            for step in range(3, 6):  # the writer is stuck on the server: offers return at once
+                assert writer.offer(step, lambda s=step: snapshot(s), force=True)
+            assert time.monotonic() - started < 2.0
+            wait_for(lambda: writer.stats.failed >= 1)
+            took = time.monotonic() - started
+        finally:
+            served.server.resume()
+        failing = writer.stats.failing or ""
+        assert f"to {url} failed" in failing and "3 s" in failing, failing
+        assert took < 30, took
+        assert json.dumps(vars(writer.stats))  # the status document takes it as it is
+        # the failed capture (the newest, 5) is held and written once the server answers again
+        assert writer.flush(60)
+        assert writer.stats.failing is None and writer.stats.last_step == 5 and writer.stats.written == 2
+    finally:
+        writer.close()
+    assert fmt.read_latest(served.export_dir / "silent") == 5
+
+
+@needs_server
+def test_an_unreachable_server_is_said_and_the_shadow_goes_on(served: Served, tmp_path: Path) -> None:
+    url = f"nfs://{UNREACHABLE}{EXPORT_PSEUDO}/shadows"
+    started = time.monotonic()
+    writer = Snapshotter(policy(url, tmp_path, timeout=3.0))
+    assert time.monotonic() - started < 1.0  # nothing is asked of the server at start
+    try:
+        assert writer.offer(1, lambda: snapshot(1))
+        wait_for(lambda: writer.stats.failed >= 1)
+        failing = writer.stats.failing or ""
+        assert f"to {url} failed" in failing and UNREACHABLE in failing, failing
+        assert disk_status(writer.policy.directory, 1)["newest_complete_step"] is None
+        assert writer.offer(2, lambda: snapshot(2), force=True)  # still taking captures
+    finally:
+        writer.close(timeout=1.0)
+    with pytest.raises(nfs.NFSError):
+        RemoteRoot(url, timeout=3.0).complete_steps()
