@@ -1,29 +1,32 @@
 """A shadow node: copies in, optimizer steps applied in order, certified per-iteration checkpoints out.
 
-One :class:`ShadowNode` serves one job (docs/shadow.md). It is assembled from one part
-per thread or request type, each in its own module, over the state they share
-(:class:`~shadow.node_state.NodeState`, with :class:`~shadow.node_state.ShadowConfig`):
+One :class:`ShadowNode` serves one job (docs/shadow.md). It is composed of a few
+components, each owning its state, its thread (if any) and its lock, that talk through
+typed methods (docs/architecture.md draws them):
 
-* **receive** (:mod:`shadow.node_receive`, one UDP thread): decodes copied datagrams
-  and REPAIR_DATA/NACK answers and places them into the
-  :class:`~shadow.iteration_window.IterationWindow`, or stashes them raw until their
-  iteration's commit fixes the layout. Takes ``_lock`` per datagram, briefly.
-* **control** (:mod:`shadow.node_control`, a TCP listener and one thread per
-  connection): rank 0's control channel (job_start, bucket_layout, commit; the shadow
-  answers certified, diverged, goodbye) and, on the same port, status and restore
-  requests. Takes ``_lock`` for job, epoch and commit bookkeeping, ``_state_lock``
-  inside it to install a re-seeded epoch, ``_control_send`` for each write.
-* **apply** (:mod:`shadow.node_apply`, one thread): the next ready iteration through
-  :class:`~shadow.optimizer_apply.ShadowOptimizer`, the fingerprint check,
-  certification (only of a state known to match the workers'), a snapshot offer.
-  Takes ``_lock`` to pick and to advance, ``_state_lock`` to step; never both.
-* **state service** (:mod:`shadow.node_service`): resume from this shadow's own
-  snapshot at start, and the restore answers (waiting for an iteration if asked).
-  Takes ``_state_lock``.
-* **maintenance** (:mod:`shadow.node_maintenance`, one thread): repair requests and
-  the status document and file. Takes ``_lock`` to plan and to read the status.
+* **receiver** (:class:`~shadow.node_receive.Receiver`, one UDP thread): the data socket;
+  decodes copied datagrams and REPAIR_DATA/NACK answers and places them into the
+  :class:`~shadow.iteration_window.IterationWindow` of the epoch in force, or stashes them
+  raw until their iteration's commit fixes the layout; holds the commit records until
+  their iteration is applied, the repair tracker, and why the shadow is blocked.
+* **state service** (:class:`~shadow.node_service.StateService`, no thread): the shard's
+  state (the epoch's optimizer, the iteration applied, data position, job state, the
+  last verified iteration or a divergence); resume from this shadow's own snapshot at
+  start; the restore answers (waiting for an iteration if asked).
+* **applier** (:class:`~shadow.node_apply.Applier`, one thread): the next ready iteration
+  stepped through the state service, the fingerprint check, certification (only of a
+  state known to match the workers'), snapshot offers; owns the snapshotter.
+* **control server** (:class:`~shadow.node_control.ControlServer`, a TCP listener and one
+  thread per connection): rank 0's control channel (job_start, bucket_layout, commit)
+  and, on the same port, status and restore requests.
+* **control link** (:class:`~shadow.node_link.ControlLink`, no thread): the job rank 0
+  announced, its connection, and the shadow's writes on it (certified, diverged, goodbye).
+* **maintenance** (:class:`~shadow.node_maintenance.Maintenance`, one thread): repair
+  requests and the status file.
 
-Lock order: ``_lock`` before ``_state_lock``; ``_control_send`` is taken alone.
+Lock order: the control server's lock before the link's, the state service's and the
+receiver's; no component calls another while holding its own lock otherwise (the drop
+counter's lock is always taken last).
 
 Ownership and layout changes: the shadow owns the buckets whose shard key the
 job maps to its name, and so the parameters in them. Every bucket layout
@@ -45,24 +48,24 @@ not strict JSON or is too large is refused (logged, counted as the drop
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from checkmate.auth import DatagramKeys, secret_or_env
-from checkmate.control import Goodbye, send_message
 from checkmate.control_frame import ControlAuth
-from checkmate.sockets import bind, create_server, grow_buffer
 from shadow.gradient_check import GradientCheck
+from shadow.iteration_window import DropReason
 from shadow.node_apply import Applier
 from shadow.node_control import ControlServer
+from shadow.node_link import ControlLink
 from shadow.node_maintenance import Maintenance
 from shadow.node_receive import Receiver
 from shadow.node_service import StateService
-from shadow.node_state import NodeStats, ShadowConfig
+from shadow.node_state import Addr, Drops, ShadowConfig
 from shadow.snapshots import Snapshotter
 
 __all__ = ["ShadowConfig", "ShadowNode", "serve"]  # ShadowConfig: what ShadowNode is made from
@@ -70,73 +73,60 @@ __all__ = ["ShadowConfig", "ShadowNode", "serve"]  # ShadowConfig: what ShadowNo
 logger = logging.getLogger(__name__)
 
 
-class ShadowNode(Receiver, ControlServer, Applier, StateService, Maintenance):
-    """One shadow of one job. ``start()``, then ``close()``; everything runs on its own threads."""
+class ShadowNode:
+    """One shadow of one job. ``start()``, then ``close()``; everything runs on its components' threads."""
 
     def __init__(self, config: ShadowConfig) -> None:
         self.config = config
         self.name = config.name
-        self.stats = NodeStats()
         secret = secret_or_env(config.secret, "ShadowNode")  # checkmate-shadow passes the one it read
-        self._control_auth = ControlAuth(secret)
-        self._datagram_keys = DatagramKeys(secret)
-        self._gradient_check = GradientCheck(secret)
-        self._lock = threading.Condition(threading.RLock())
-        self._state_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._job = None
-        self._epoch = None
-        self._generation = 0
-        self._pending_start = None
-        self._stash = {}
-        self._stash_bytes = 0
-        self._commits = {}
-        self._latest_commit = -1
-        self._latest_seen = -1
-        self._applied = -1
-        self._optimizer_step = 0
-        self._data_position = None
-        self._job_state = None
-        self._bad_positions = 0
-        self._certified = -1
-        self._last_verified = -1
-        self._diverged = None
-        self._last_divergence = None
-        self._retiring = set()
-        self._blocked = None
-        self._captures = {}
-        self._repairs = None
-        self._restored_from = None
-        self._control_conn = None
-        self._job_conn = None
-        self._control_send = threading.Lock()
+        keys = DatagramKeys(secret)
         self._started = time.time()
-        self.snapshotter = Snapshotter(config.snapshots) if config.snapshots is not None else None
-        self._last_snapshot_time = time.monotonic()
-
-        self._udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        grow_buffer(self._udp, socket.SO_RCVBUF, config.recv_buffer_bytes)  # past rmem_max as root
-        bind(self._udp, config.data_bind, f"shadow {self.name}'s data socket")
-        self._udp.settimeout(0.1)
-        self.data_address = self._udp.getsockname()
-        self._tcp = create_server(config.control_bind, f"shadow {self.name}'s control socket")
-        self._tcp.settimeout(0.1)
-        self.control_address = self._tcp.getsockname()
-        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._drops = Drops()
+        self._receiver = Receiver(config, self._drops, keys, self._stop)
+        self._state = StateService(config, self._drops)
+        self._link = ControlLink(config)
+        self._maintenance = Maintenance(
+            config, self._receiver, self._state, self._link, keys, self.status, self._stop
+        )
+        self._applier = Applier(
+            config,
+            self._receiver,
+            self._state,
+            self._link,
+            GradientCheck(secret),
+            self._maintenance.wake,
+            self._stop,
+        )
+        self._control = ControlServer(
+            config,
+            ControlAuth(secret),
+            self._drops,
+            self._receiver,
+            self._state,
+            self._link,
+            self._applier,
+            self._maintenance.wake,
+            self.status,
+            self._stop,
+        )
+        self.data_address: Addr = self._receiver.address
+        self.control_address: Addr = self._control.address
         if config.resume and config.snapshots is not None:
-            self._resume(config.snapshots.directory)
+            resumed = self._state.resume(config.snapshots.directory)
+            if resumed is not None:
+                blocked = "resumed from a snapshot: waiting for rank 0's state to rejoin the job"
+                self._receiver.install_resumed(resumed.job, resumed.epoch, blocked)
+                self._link.resume(resumed.job)
+                self._applier.resumed(resumed.step)
+                self._control.resumed()
 
     def start(self) -> ShadowNode:
-        for target, name in (
-            (self._receive_loop, "rx"),
-            (self._accept_loop, "ctl"),
-            (self._apply_loop, "apply"),
-            (self._maintenance_loop, "maint"),
-        ):
-            thread = threading.Thread(target=target, name=f"shadow-{self.name}-{name}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self._receiver.start()
+        self._control.start()
+        self._applier.start()
+        self._maintenance.start()
         logger.info(
             "shadow %s: control %s:%d, copies %s:%d", self.name, *self.control_address, *self.data_address
         )
@@ -144,26 +134,17 @@ class ShadowNode(Receiver, ControlServer, Applier, StateService, Maintenance):
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._wake.set()
-        with self._lock:
-            self._lock.notify_all()
-            conn, self._control_conn = self._control_conn, None
-        if conn is not None:
-            try:
-                with self._control_send:
-                    send_message(conn, Goodbye(self._job_id(), "shadow closing"), timeout=0.5)
-            except OSError:
-                pass
-            conn.close()
-        for thread in self._threads:
-            thread.join(timeout)
-        if self._epoch is not None:
-            self._epoch.optimizer.close()  # its apply threads (an epoch replaced earlier: collected)
-        if self.snapshotter is not None:
-            self.snapshotter.close(timeout)
-        self._write_status()
-        self._udp.close()
-        self._tcp.close()
+        self._maintenance.wake()
+        self._link.close()  # goodbye to rank 0
+        self._receiver.join(timeout)
+        self._control.join(timeout)
+        self._applier.join(timeout)
+        self._maintenance.join(timeout)
+        self._state.close()  # its optimizer's apply threads
+        self._applier.close(timeout)  # the snapshotter
+        self._maintenance.write_status()
+        self._receiver.close()
+        self._control.close()
 
     def __enter__(self) -> ShadowNode:
         return self.start()
@@ -172,39 +153,78 @@ class ShadowNode(Receiver, ControlServer, Applier, StateService, Maintenance):
         self.close()
 
     @property
+    def snapshotter(self) -> Snapshotter | None:
+        return self._applier.snapshotter
+
+    @property
     def applied_iteration(self) -> int:
         """The last iteration whose state this shadow holds (-1: none)."""
-        return self._applied
+        return self._state.applied
 
     def wait_applied(self, iteration: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            while self._applied < iteration:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._lock.wait(min(left, 0.1))
-            return True
+        return self._state.wait_applied(iteration, timeout)
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """Clones of the owned parameters (bucketed and static)."""
-        with self._state_lock:
-            epoch = self._epoch
-            if epoch is None:
-                return {}
-            out = {n: p.detach().clone() for n, p in epoch.optimizer.parameters.items()}
-            out.update({n: t.clone() for n, t in epoch.static.items()})
-            return out
+        return self._state.parameters()
 
     def optimizer_states(self) -> dict[str, dict[str, torch.Tensor]]:
-        with self._state_lock:
-            epoch = self._epoch
-            if epoch is None:
-                return {}
-            return {
-                n: {k: torch.as_tensor(v).clone() for k, v in epoch.optimizer.optimizer_state(n).items()}
-                for n in epoch.optimizer.parameters
-            }
+        return self._state.optimizer_states()
+
+    def snapshot_now(self, timeout: float = 30.0) -> int | None:
+        """Write a snapshot of the current state and wait for it; the step written, or None."""
+        return self._applier.snapshot_now(timeout)
+
+    def waiting_restores(self) -> list[int]:
+        """The iterations restore requests now wait for (the apply thread has not reached them)."""
+        return self._state.waiting_restores()
+
+    def on_datagram(self, data: memoryview, addr: Addr) -> DropReason | str | None:
+        """Handle one datagram as the receive thread does (callable directly in tests and benchmarks)."""
+        return self._receiver.on_datagram(data, addr)
+
+    def status(self) -> dict[str, Any]:
+        """The status document (``checkmate-shadow status``, the status file): each component's fields."""
+        job = self._link.job()
+        received = self._receiver.status()
+        held = self._state.status()
+        applied = held["applied_iteration"]
+        if job is None:
+            state = "waiting_for_job"
+        elif not received["has_epoch"]:
+            state = "waiting_for_layout"
+        elif held["divergence"] is not None:
+            state = "diverged"
+        elif received["blocked"]:
+            state = "stalled"
+        else:
+            state = "running"
+        now = time.time()
+        document: dict[str, Any] = {
+            "shadow": self.name,
+            "time": now,
+            "uptime_seconds": round(now - self._started, 3),
+            "job_id": job.job_id if job else None,
+            "data_address": list(self.data_address),
+            "state": state,
+            "lag_iterations": max(0, received["latest_commit"] - applied) if job else None,
+            "shard": {
+                "keys": sorted(job.shard_keys) if job else [],
+                "index": job.shard_index if job else None,
+                "count": job.num_shards if job else None,
+                "buckets": received.pop("buckets"),
+                "parameters": held.pop("parameters"),
+                "elements": held.pop("elements"),
+            },
+            "drops": self._drops.snapshot(),
+        }
+        del received["has_epoch"]
+        document.update(received)
+        document.update(held)
+        document.update(self._applier.status(applied))
+        document.update(self._control.status())
+        document.update(self._link.status())
+        return document
 
 
 def serve(config: ShadowConfig, until: Callable[[], bool] | None = None) -> None:

@@ -1,32 +1,34 @@
-"""The shadow node's configuration, its records (job, epoch, commit, capture), counters and shared state."""
+"""The shadow node's configuration, the records its components hand each other, and two helpers.
+
+Records: :class:`Job` (what rank 0's job_start said), :class:`Epoch` (a bucket layout and
+the optimizer seeded for it: the control server builds it, the receiver fills its window,
+the state service steps its optimizer), :class:`CommitEntry`, :class:`Capture`.
+:class:`Drops` counts what any component throws away (its own lock).
+"""
 
 from __future__ import annotations
 
 import collections
 import logging
-import socket
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from checkmate.admission import ControlLimits
-from checkmate.auth import DatagramKeys
-from checkmate.control import BucketSpec, JobStart, Message, ParamSpec, RestoreRefused, RestoreRequest
-from checkmate.control_frame import ControlAuth
+from checkmate.control import BucketSpec, JobStart, ParamSpec, validate_data_position
 from checkmate.job import JobSpec
 from checkmate.job_state import JobState
 from checkmate.network import Addr
 from checkmate.wire import CHECKMATE_UDP_PORT
 from shadow.adam_apply import default_threads
-from shadow.gradient_check import GradientCheck
 from shadow.iteration_window import IterationWindow
-from shadow.optimizer_apply import ShadowOptimizer, StepRecord
-from shadow.repair import RepairPolicy, RepairTracker
-from shadow.snapshots import SnapshotPolicy, Snapshotter
+from shadow.optimizer_apply import OptimizerSpec, ShadowOptimizer, StepRecord
+from shadow.repair import RepairPolicy
+from shadow.snapshots import SnapshotPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ class Epoch:
     unconfirmed: dict[int, list[Unconfirmed]] = field(default_factory=dict)
     """Copies placed before their iteration's commit confirmed this layout, per iteration: a
     layout change turns them back into stashed datagrams (:meth:`~shadow.node_receive.Receiver.
-    _restash_unconfirmed`), so they are placed again under the layout that holds."""
+    begin_job`), so they are placed again under the layout that holds."""
 
 
 class Unconfirmed(NamedTuple):
@@ -152,111 +154,77 @@ class Capture:
     result: JobStart | None = None
 
 
-@dataclass
-class NodeStats:
-    packets_received: int = 0
-    bytes_received: int = 0
-    packets_placed: int = 0
-    elements_placed: int = 0
-    drops: collections.Counter[str] = field(default_factory=collections.Counter)
-    applied_iterations: int = 0
-    apply_seconds: float = 0.0
-    applied_elements: int = 0
-    last_apply_seconds: float = 0.0
-    last_commit_to_apply_seconds: float = 0.0
-    reseeds: int = 0
-    resync_requests: int = 0
-    certified_sent: int = 0
-    divergences: int = 0
-    fingerprints_checked: int = 0
+class Drops:
+    """What a shadow threw away, by reason: counted by every component (its own lock, taken last)."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: collections.Counter[str] = collections.Counter()
 
-class NodeState:
-    """What every part of a :class:`~shadow.node.ShadowNode` shares: set up in its ``__init__``.
-
-    Each part (receive, control, apply, state service, maintenance) is a class over this
-    state; :class:`~shadow.node.ShadowNode` assembles them. Methods one part calls on
-    another are declared here for the type checker only.
-    """
-
-    config: ShadowConfig
-    name: str
-    stats: NodeStats
-    snapshotter: Snapshotter | None
-    data_address: Addr
-    control_address: Addr
-    _control_auth: ControlAuth
-    _datagram_keys: DatagramKeys
-    _gradient_check: GradientCheck
-    _lock: threading.Condition
-    """Guards job, epoch, stash, commits, repairs, certification; notified on any progress."""
-    _state_lock: threading.Lock
-    """Held while the optimizer state changes or is captured (taken after ``_lock`` if both)."""
-    _control_send: threading.Lock
-    """Held while writing one message on a control connection."""
-    _stop: threading.Event
-    _wake: threading.Event
-    """Wakes the maintenance thread (a commit arrived, or the node closes)."""
-    _job: Job | None
-    _epoch: Epoch | None
-    _generation: int
-    _pending_start: JobStart | None
-    _stash: dict[int, list[tuple[bytearray, float, Addr]]]
-    _stash_bytes: int
-    _commits: dict[int, CommitEntry]
-    _latest_commit: int
-    _latest_seen: int
-    _applied: int
-    _optimizer_step: int
-    _data_position: Any
-    """The workers' data position after ``_applied`` (None: unknown)."""
-    _job_state: JobState | None
-    """The job state after ``_applied`` (buffers, stateful objects; None: none sent)."""
-    _bad_positions: int
-    _certified: int
-    _last_verified: int
-    """The last iteration whose state matched rank 0's fingerprint (or was seeded by rank 0)."""
-    _diverged: dict[str, Any] | None
-    """Set when the state differed from rank 0's fingerprint, until rank 0 re-seeds this shadow."""
-    _last_divergence: dict[str, Any] | None
-    _retiring: set[socket.socket]
-    """Control connections this shadow said goodbye on: read and discarded until rank 0 closes."""
-    _blocked: str | None
-    _captures: dict[int, list[Capture]]
-    _repairs: RepairTracker | None
-    _restored_from: int | None
-    _control_conn: socket.socket | None
-    _job_conn: socket.socket | None
-    """The control connection the current job_start came on."""
-    _started: float
-    _last_snapshot_time: float
-    _udp: socket.socket
-    _tcp: socket.socket
-
-    def _job_id(self) -> int:
-        return self._job.job_id if self._job is not None else (self.config.job_id or 0)
-
-    def _drop(self, reason: str) -> str:
-        self.stats.drops[reason] += 1
+    def add(self, reason: str) -> str:
+        """Count one drop of ``reason``; returns ``reason`` (so a handler can return it)."""
+        with self._lock:
+            self._counts[reason] += 1
         return reason
 
-    if TYPE_CHECKING:  # implemented by the parts (shadow.node_*), called across them
+    def count(self, reason: str) -> int:
+        with self._lock:
+            return self._counts[reason]
 
-        def status(self) -> dict[str, Any]: ...
-        def _drain_stash(self) -> None: ...
-        def _restash_unconfirmed(self) -> None: ...
-        def _forget_unconfirmed(self, epoch: Epoch) -> None: ...
-        def _send_control(self, message: Message) -> bool: ...
-        def _request_state(self, conn: socket.socket, why: str) -> bool: ...
-        def _checked_position(self, position: Any, iteration: int) -> Any: ...
-        @staticmethod
-        def _make_optimizer(
-            spec_json: Mapping[str, Any], start: JobStart, owned: set[str], threads: int = 1
-        ) -> ShadowOptimizer: ...
-        def _certify(self, iteration: int, epoch: Epoch | None = None, again: bool = False) -> bool: ...
-        @staticmethod
-        def _groups_now(job: Job, epoch: Epoch) -> list[dict[str, Any]]: ...
-        def _resume(self, root: Path) -> None: ...
-        def _restore(self, request: RestoreRequest) -> JobStart | RestoreRefused: ...
-        def _fulfil_captures_locked(self) -> None: ...
-        def _write_status(self) -> None: ...
+    def snapshot(self) -> dict[str, int]:
+        """Every reason counted so far, sorted by name."""
+        with self._lock:
+            return dict(sorted(self._counts.items()))
+
+
+def checked_position(name: str, drops: Drops, position: Any, iteration: int) -> Any:
+    """``position`` validated, or None (logged, counted as the drop ``bad_data_position``) if refused."""
+    try:
+        return validate_data_position(position)
+    except ValueError as exc:
+        drops.add("bad_data_position")
+        refused = drops.count("bad_data_position")
+        (logger.error if refused == 1 else logger.debug)(
+            "shadow %s: data position of iteration %d refused (%d so far; its position is unknown): %s",
+            name,
+            iteration,
+            refused,
+            exc,
+        )
+        return None
+
+
+def make_optimizer(
+    spec_json: Mapping[str, Any], start: JobStart, owned: set[str], threads: int = 1
+) -> ShadowOptimizer:
+    """The optimizer of the ``owned`` parameters, seeded with ``start``'s tensors and optimizer state."""
+    initial = {
+        key[len("param/") :]: tensor for key, tensor in start.tensors.items() if key.startswith("param/")
+    }
+    spec = OptimizerSpec.from_json(spec_json)
+    optimizer = ShadowOptimizer(initial, spec, owned, threads)
+    for name, parameter in optimizer.parameters.items():
+        state: dict[str, Any] = {}
+        prefix = f"state/{name}/"
+        for key, tensor in start.tensors.items():
+            if key.startswith(prefix):
+                state[key[len(prefix) :]] = tensor.clone()
+        state.update(start.optimizer_scalars.get(name, {}))
+        if state:
+            optimizer.optimizer.state[parameter] = state
+    return optimizer
+
+
+class ComponentThread:
+    """A component's one daemon thread, named ``shadow-<name>-<role>``: started once, joined at close."""
+
+    def __init__(self, shadow: str, role: str, target: Callable[[], None]) -> None:
+        self._thread = threading.Thread(target=target, name=f"shadow-{shadow}-{role}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for it to end (nothing to wait for if it never started)."""
+        if self._thread.ident is not None:
+            self._thread.join(timeout)

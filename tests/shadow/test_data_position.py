@@ -104,7 +104,7 @@ def test_restore_returns_the_data_position_of_the_restored_iteration(node: Shado
         target=lambda: waiting.update(reply=fetch_shard(node.control_address, 3, 10.0, 5.0, JOB))
     )
     asker.start()
-    assert wait_for(lambda: 3 in node._captures, timeout=5)
+    assert wait_for(lambda: 3 in node.waiting_restores(), timeout=5)
     _iteration(node, rank0, 3, {"epoch": 1, "batch": 1})
     _iteration(node, rank0, 4, {"epoch": 1, "batch": 2})
     asker.join(10)

@@ -405,9 +405,9 @@ def test_a_socket_that_never_drains_defers_repairs_only_for_a_bounded_time(
     node: ShadowNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Copies always waiting unread (steady traffic on a loaded shadow) must not starve repairs."""
-    from shadow import node_maintenance
+    from shadow import node_maintenance, node_receive
 
-    monkeypatch.setattr(node_maintenance, "receive_queued", lambda sock: True)
+    monkeypatch.setattr(node_receive, "receive_queued", lambda sock: True)
     monkeypatch.setattr(node_maintenance, "REPAIR_DEFER_LIMIT_S", 3600.0)
     answering = FakeWorker("127.0.0.61", nack=False)
     try:

@@ -23,7 +23,7 @@ from checkmate.checkpoint.source import RestoredState
 from checkmate.control import JobStart, ParamSpec
 from checkmate.optimizers import describe, pin_implementation
 from hosts.recovery import from_snapshots, load_state
-from shadow.node import ShadowNode
+from shadow.node_state import make_optimizer
 from shadow.optimizer_apply import OptimizerSpec, StepRecord
 from tests.shadow.test_optimizer_apply import OPTIMIZERS, model
 
@@ -95,7 +95,7 @@ def test_every_optimizer_restores_bit_identically_from_memory_and_disk(kind: str
     start = _job_start(
         worker, optimizer, 0, lambda p: optimizer.state.get(p, {})
     )  # e.g. Adagrad's initial sum
-    shadow = ShadowNode._make_optimizer(start.optimizer, start, {n for n, _ in worker.named_parameters()})
+    shadow = make_optimizer(start.optimizer, start, {n for n, _ in worker.named_parameters()})
     for iteration, gradients in enumerate(_train(worker, optimizer, seed=5, steps=3)):
         shadow.apply(StepRecord(iteration, [g["lr"] for g in optimizer.param_groups]), gradients)
 
