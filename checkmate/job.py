@@ -11,12 +11,19 @@ DP group of TP index t all-reduces t's shard of the gradients, under its own job
 id, to its own shadows; ``tp_degree`` and ``tp_index`` say which TP shard a lane's
 copies (and its shadows' state and snapshots) carry, so the lanes' snapshots can
 be merged into one universal checkpoint (:mod:`checkmate.universal.shadow_merge`).
+
+Optional sizing fields say how big the job is and what its shadows can hold:
+``parallelism`` (how the workers reduce their gradients), ``model_params``, ``optimizer``,
+``grad_dtype`` and ``shadow_memory_gib`` (memory each shadow may use). ``checkmate-ctl job add``
+refuses a job whose shadows cannot hold its state (:mod:`controller.capacity_job`); a job file
+without them loads as before and is not sized.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +32,19 @@ from checkmate.wire import CHECKMATE_UDP_PORT
 
 MAX_JOB_ID = (1 << 32) - 1
 MAX_SHARD_KEY = (1 << 16) - 1
+MAX_MODEL_PARAMS = 10**15
+
+PARALLELISMS = ("ddp", "fsdp2")
+"""How a protected job's workers reduce their gradients (``JobSpec.parallelism``): DDP's all-reduce
+(``hosts.enable_checkmate``), FSDP2's reduce-scatter (``hosts.c10d_fsdp.enable_checkmate_fsdp``).
+Tensor parallelism is ``tp_degree``."""
+UNPROTECTED_PARALLELISMS = {
+    "zero1": "ZeRO-1 (torch's ZeroRedundancyOptimizer, DeepSpeed stage 1)",
+    "zero2": "ZeRO-2 (DeepSpeed stage 2)",
+}
+"""Parallelisms ``checkmate-ctl plan`` sizes but nothing protects yet (docs/backend.md's feature table)."""
+SIZING_FIELDS = ("model_params", "optimizer", "shadow_memory_gib")
+"""Given together or not at all: what ``job add`` needs to size the shadows (``grad_dtype`` is optional)."""
 
 
 class JobSpecError(ValueError):
@@ -45,6 +65,16 @@ class JobSpec:
     """Tensor-parallel degree of the training job this lane belongs to (1: no tensor parallelism)."""
     tp_index: int = 0
     """The TP index whose DP group this job is: its gradients, and its shadows' state, are that TP shard."""
+    parallelism: str = "ddp"
+    """How the workers reduce their gradients (``PARALLELISMS``); shadows hold the full state either way."""
+    model_params: int | None = None
+    """Parameters of the whole model (a TP job's lanes together; each lane's shadows hold 1/tp_degree)."""
+    optimizer: str | None = None
+    """The optimizer, as ``checkmate-ctl plan --optimizer`` names it (adamw, sgd-momentum, ...)."""
+    grad_dtype: str | None = None
+    """The gradients' dtype on the wire (fp32, bf16, fp16); None: fp32."""
+    shadow_memory_gib: float | None = None
+    """Memory each of the job's shadows may use for it, GiB."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", tuple(self.workers))
@@ -90,6 +120,70 @@ class JobSpec:
             raise JobSpecError(f"tp_degree {self.tp_degree} must be at least 1")
         if not 0 <= self.tp_index < self.tp_degree:
             raise JobSpecError(f"tp_index {self.tp_index} is outside 0..{self.tp_degree - 1}")
+        self._validate_sizing()
+
+    def _validate_sizing(self) -> None:
+        """The optional sizing fields: known values, positive sizes, given together."""
+        if self.parallelism in UNPROTECTED_PARALLELISMS:
+            raise JobSpecError(
+                f"parallelism {self.parallelism!r}: {UNPROTECTED_PARALLELISMS[self.parallelism]} is not "
+                f"protected by Checkmate yet (docs/backend.md); a job is one of: {', '.join(PARALLELISMS)}"
+            )
+        if self.parallelism not in PARALLELISMS:
+            raise JobSpecError(
+                f"unknown parallelism {self.parallelism!r}; known: {', '.join(PARALLELISMS)} "
+                "(tensor parallelism is tp_degree)"
+            )
+        if self.parallelism == "fsdp2" and self.tp_degree > 1:
+            raise JobSpecError(
+                f"parallelism 'fsdp2' with tp_degree {self.tp_degree}: FSDP2 with tensor parallelism is not "
+                "protected yet (docs/backend.md); a TP x DP job's lanes are DDP ('ddp')"
+            )
+        if self.model_params is not None:
+            value = self.model_params
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise JobSpecError(f"model_params must be an integer, got {value!r}")
+            if not 1 <= value <= MAX_MODEL_PARAMS:
+                raise JobSpecError(f"model_params {value} is not a model size (1..10^15 parameters)")
+            if value < self.tp_degree:
+                raise JobSpecError(
+                    f"model_params {value} is fewer than the tp_degree {self.tp_degree} lanes it is split "
+                    "into"
+                )
+        if self.shadow_memory_gib is not None:
+            memory = self.shadow_memory_gib
+            if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not math.isfinite(memory):
+                raise JobSpecError(f"shadow_memory_gib must be a number, got {memory!r}")
+            if memory <= 0:
+                raise JobSpecError(f"shadow_memory_gib {memory:g} must be positive (GiB per shadow)")
+        for name in ("optimizer", "grad_dtype"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise JobSpecError(f"{name} must be a name such as 'adamw' or 'bf16', got {value!r}")
+        given = [name for name in SIZING_FIELDS if getattr(self, name) is not None]
+        if self.grad_dtype is not None:
+            given.append("grad_dtype")
+        missing = [name for name in SIZING_FIELDS if getattr(self, name) is None]
+        if given and missing:
+            raise JobSpecError(
+                f"{', '.join(given)} given without {', '.join(missing)}: sizing a job's shadows needs "
+                f"{', '.join(SIZING_FIELDS)} together (grad_dtype optional), or none of them"
+            )
+
+    @property
+    def sized(self) -> bool:
+        """Whether the job says how big it is (``SIZING_FIELDS``), so its shadows can be checked."""
+        return self.model_params is not None
+
+    def sizing_fields(self) -> dict[str, Any]:
+        """The sizing fields that differ from their defaults (what ``to_json`` adds)."""
+        out: dict[str, Any] = {}
+        if self.parallelism != "ddp":
+            out["parallelism"] = self.parallelism
+        for name in ("model_params", "optimizer", "grad_dtype", "shadow_memory_gib"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
 
     @property
     def world_size(self) -> int:
@@ -140,11 +234,25 @@ class JobSpec:
             "shadow_port": self.shadow_port,
         }
         out.update(self.tp_fields())
+        out.update(self.sizing_fields())
         return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> JobSpec:
-        known = {"job_id", "workers", "shadows", "shard_to_shadow", "shadow_port", "tp_degree", "tp_index"}
+        known = {
+            "job_id",
+            "workers",
+            "shadows",
+            "shard_to_shadow",
+            "shadow_port",
+            "tp_degree",
+            "tp_index",
+            "parallelism",
+            "model_params",
+            "optimizer",
+            "grad_dtype",
+            "shadow_memory_gib",
+        }
         if not isinstance(data, Mapping):
             raise JobSpecError(f"a job description is a JSON object, got {type(data).__name__}")
         unknown = sorted(set(data) - known)
@@ -174,6 +282,11 @@ class JobSpec:
             shadow_port=data.get("shadow_port", CHECKMATE_UDP_PORT),
             tp_degree=data.get("tp_degree", 1),
             tp_index=data.get("tp_index", 0),
+            parallelism=data.get("parallelism", "ddp"),
+            model_params=_whole(data.get("model_params")),
+            optimizer=data.get("optimizer"),
+            grad_dtype=data.get("grad_dtype"),
+            shadow_memory_gib=data.get("shadow_memory_gib"),
         )
 
     @classmethod
@@ -182,3 +295,10 @@ class JobSpec:
             return cls.from_json(json.loads(text))
         except json.JSONDecodeError as exc:
             raise JobSpecError(f"job description is not valid JSON: {exc}") from None
+
+
+def _whole(value: Any) -> Any:
+    """A JSON count written as a float (``7e9``) as the integer it is; anything else unchanged."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value

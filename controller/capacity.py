@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from checkmate.job import PARALLELISMS, UNPROTECTED_PARALLELISMS
 from checkmate.wire import MAX_PAYLOAD_BYTES
 from controller.capacity_inputs import (
     DDP_DEFAULT_BUCKET_MB,
@@ -52,6 +53,8 @@ from controller.capacity_inputs import (
     MAX_SHARD_KEYS,
     OPTIMIZER_BENCH_KIND,
     OPTIMIZER_STATE_BYTES,
+    PARAMETER_GATHERS,
+    REDUCES_BY_ALL_REDUCE,
     SHADOW_HORIZON_ITERATIONS,
     PlanError,
     apply_rate,
@@ -60,6 +63,31 @@ from controller.capacity_inputs import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+PLAN_PARALLELISMS = (*PARALLELISMS, *UNPROTECTED_PARALLELISMS)
+"""What ``--parallelism`` takes: the protected ones and those only sized (ZeRO-1/2)."""
+
+
+def protection(parallelism: str, tp: int) -> str:
+    """What protects a job of this parallelism today (the plan's ``protection``; docs/backend.md)."""
+    if parallelism == "ddp":
+        return "protected: hosts.enable_checkmate (DDP's comm hook tags each bucket's reduced chunks)"
+    if parallelism == "fsdp2" and tp == 1:
+        return (
+            "protected: hosts.c10d_fsdp.enable_checkmate_fsdp on the checkmate backend (each module's "
+            "reduce-scatter runs on the ring, the hop to each shard's owner tagged)"
+        )
+    if parallelism == "fsdp2":
+        return (
+            f"not protected: FSDP2 with tensor parallelism (--tp {tp}) is not integrated; the figures are "
+            "what its lanes would need"
+        )
+    return (
+        f"not protected: {UNPROTECTED_PARALLELISMS[parallelism]} is not integrated (docs/backend.md); "
+        "the figures are what it would need with its gradients tagged like "
+        + ("DDP's" if REDUCES_BY_ALL_REDUCE[parallelism] else "FSDP2's")
+    )
 
 
 @dataclass(frozen=True)
@@ -86,6 +114,10 @@ class PlanRequest:
     """Use this many shadows per ring (at least the planner's minimum, at most one per bucket)."""
     """A periodic checkpoint every this many iterations, for the repeated-work comparison."""
     shadow_bench: Path = DEFAULT_SHADOW_BENCH
+    parallelism: str = "ddp"
+    """How the job reduces its gradients: ddp, fsdp2, zero1 or zero2 (``PLAN_PARALLELISMS``)."""
+    fsdp_modules: int | None = None
+    """FSDP2: the ``fully_shard`` modules holding parameters; each reduce-scatters once per iteration."""
 
     def validate(self) -> None:
         def positive(name: str, value: float) -> None:
@@ -131,6 +163,38 @@ class PlanRequest:
             raise PlanError(f"--shadows-per-ring must be >= 1, got {self.shadows_per_ring!r}")
         if self.compare_every is not None and self.compare_every < 1:
             raise PlanError(f"--compare-every must be >= 1, got {self.compare_every!r}")
+        if self.parallelism not in PLAN_PARALLELISMS:
+            raise PlanError(
+                f"unknown --parallelism {self.parallelism!r}; known: {', '.join(PLAN_PARALLELISMS)} "
+                "(tensor parallelism is --tp)"
+            )
+        if self.parallelism == "fsdp2":
+            if self.fsdp_modules is None:
+                raise PlanError(
+                    "--parallelism fsdp2 needs --fsdp-modules: its gradients travel one reduce-scatter "
+                    "per fully_shard module, not in --bucket-mb buckets"
+                )
+            modules = self.fsdp_modules
+            if isinstance(modules, bool) or not isinstance(modules, int) or modules < 1:
+                raise PlanError(f"--fsdp-modules must be an integer >= 1, got {modules!r}")
+            if modules * self.tp > self.model_params:
+                raise PlanError(
+                    f"--fsdp-modules {modules}: {self.model_params:g} parameters over --tp {self.tp} leave "
+                    "modules without parameters"
+                )
+        elif self.fsdp_modules is not None:
+            raise PlanError(f"--fsdp-modules goes with --parallelism fsdp2, not {self.parallelism}")
+
+
+def shadow_bytes_per_param(optimizer: str, grad_dtype: str) -> int:
+    """Shadow memory per parameter: fp32 weights and optimizer state twice (live and the snapshot being
+    written) and ``ShadowConfig.horizon`` iterations of gradients at the bucket dtype (docs/capacity.md).
+
+    The same for every parallelism: the shadows hold the full (logical) state whether the workers
+    shard it (FSDP2, ZeRO) or not. ``checkmate-ctl job add`` sizes a job's shadows with it too.
+    """
+    state = OPTIMIZER_STATE_BYTES[optimizer]
+    return (4 + state) * 2 + SHADOW_HORIZON_ITERATIONS * GRAD_DTYPE_BYTES[grad_dtype]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -146,6 +210,38 @@ def _datagrams(elements: int, dp: int, per_datagram: int) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class Buckets:
+    """A ring's gradient buckets per iteration: ``count`` buckets of ``parameters`` each, of which
+    ``wire`` elements cross the ring (FSDP2 pads each module's reduce-scatter input to ``N`` equal
+    shards; the shadows keep only the parameters)."""
+
+    count: int
+    parameters: int
+    wire: int
+
+
+def ring_buckets(request: PlanRequest, ring_params: int, bucket_elements: int) -> list[Buckets]:
+    """The ring's buckets: DDP's (and ZeRO's) ``--bucket-mb`` cut, or one per FSDP2 module.
+
+    FSDP2: the ring's parameters split as evenly as whole elements allow over ``--fsdp-modules``
+    (sizes differ by at most one), each padded up to a multiple of ``dp`` (``chunk_cat``'s rank-major
+    input, every rank's shard the same size; FSDP2 pads each parameter's dim 0, so real padding is
+    up to ``dp - 1`` rows per parameter, which the planner, knowing no shapes, does not add).
+    """
+    if request.parallelism == "fsdp2":
+        assert request.fsdp_modules is not None  # validate()
+        modules = request.fsdp_modules
+        small, larger = divmod(ring_params, modules)
+        grid = [Buckets(larger, small + 1, _ceil_div(small + 1, request.dp) * request.dp)]
+        grid.append(Buckets(modules - larger, small, _ceil_div(small, request.dp) * request.dp))
+        return [b for b in grid if b.count]
+    buckets = _ceil_div(ring_params, bucket_elements)
+    last = ring_params - (buckets - 1) * bucket_elements
+    grid = [Buckets(buckets - 1, bucket_elements, bucket_elements), Buckets(1, last, last)]
+    return [b for b in grid if b.count]
+
+
 def plan(request: PlanRequest) -> dict[str, Any]:
     """The plan as a JSON-able dict; raises PlanError naming the limiting resource."""
     request.validate()
@@ -156,44 +252,51 @@ def plan(request: PlanRequest) -> dict[str, Any]:
     ring_params = _ceil_div(params, request.tp)
     grad_bytes = GRAD_DTYPE_BYTES[request.grad_dtype]
     per_datagram = MAX_PAYLOAD_BYTES // grad_bytes
-    bucket_elements = max(1, int(request.bucket_mb * 1024 * 1024) // grad_bytes)
-    buckets = _ceil_div(ring_params, bucket_elements)
-    last_bucket = ring_params - (buckets - 1) * bucket_elements
-    full_dgrams = _datagrams(bucket_elements, request.dp, per_datagram)
-    last_dgrams = _datagrams(last_bucket, request.dp, per_datagram)
-    ring_datagrams = (buckets - 1) * full_dgrams + last_dgrams
-    ring_copy_bytes = ring_params * grad_bytes + ring_datagrams * FRAME_OVERHEAD_BYTES
-    bucket_wire_bytes = bucket_elements * grad_bytes + full_dgrams * FRAME_OVERHEAD_BYTES
+    nominal = max(1, int(request.bucket_mb * 1024 * 1024) // grad_bytes)
+    grid = ring_buckets(request, ring_params, nominal)
+    buckets = sum(b.count for b in grid)
+    # the largest bucket (DDP, ZeRO: the nominal --bucket-mb one, even when the ring is smaller)
+    largest = Buckets(1, nominal, nominal)
+    if request.parallelism == "fsdp2":
+        largest = max(grid, key=lambda b: b.wire)
+    bucket_elements = largest.parameters
+    full_dgrams = _datagrams(largest.wire, request.dp, per_datagram)
+    ring_datagrams = sum(b.count * _datagrams(b.wire, request.dp, per_datagram) for b in grid)
+    ring_wire_elements = sum(b.count * b.wire for b in grid)
+    ring_copy_bytes = ring_wire_elements * grad_bytes + ring_datagrams * FRAME_OVERHEAD_BYTES
+    bucket_wire_bytes = largest.wire * grad_bytes + full_dgrams * FRAME_OVERHEAD_BYTES
     T = request.iteration_time_s
     link_bytes_per_iteration = request.link_gbps * 1e9 / 8 * T
 
     # --- shadows per ring: CPU, then link, then memory; each owns whole buckets
     budget_s = request.shadow_busy * T
+    fsdp = request.parallelism == "fsdp2"
+    unit = "one bucket (FSDP module)" if fsdp else "one bucket"
+    smaller = "more, smaller FSDP modules (--fsdp-modules)" if fsdp else "smaller buckets (--bucket-mb)"
     bucket_apply_s = min(bucket_elements, ring_params) / rate
     if bucket_apply_s > budget_s:
         raise PlanError(
-            f"shadow CPU: one bucket of {min(bucket_elements, ring_params):,} parameters takes "
+            f"shadow CPU: {unit} of {min(bucket_elements, ring_params):,} parameters takes "
             f"{bucket_apply_s * 1e3:.1f} ms to apply ({request.optimizer}, {rate / 1e6:.1f} M params/s "
             f"per core measured in {repo_relative(request.shadow_bench)}), "
             f"more than the {budget_s * 1e3:.1f} ms a shadow may spend "
-            f"per {T * 1e3:g} ms iteration: no number of shadows keeps up; use smaller buckets (--bucket-mb) "
+            f"per {T * 1e3:g} ms iteration: no number of shadows keeps up; use {smaller} "
             "or a longer iteration"
         )
     one_bucket_wire = min(bucket_wire_bytes, ring_copy_bytes)
     if one_bucket_wire > link_bytes_per_iteration:
         raise PlanError(
-            f"shadow link: one bucket ({one_bucket_wire / 1e6:.1f} MB on the wire) does not cross a "
+            f"shadow link: {unit} ({one_bucket_wire / 1e6:.1f} MB on the wire) does not cross a "
             f"{request.link_gbps:g} Gb/s link in a {T * 1e3:g} ms iteration: no number of shadows keeps up; "
-            "use smaller buckets (--bucket-mb) or faster shadow links"
+            f"use {smaller} or faster shadow links"
         )
-    state_bytes = OPTIMIZER_STATE_BYTES[request.optimizer]
-    memory_per_param = (4 + state_bytes) * 2 + SHADOW_HORIZON_ITERATIONS * grad_bytes
+    memory_per_param = shadow_bytes_per_param(request.optimizer, request.grad_dtype)
     host_memory = request.shadow_memory_gib * 2**30
     buckets_by_cpu = int(budget_s * rate // bucket_elements) or 1
     buckets_by_memory = int(host_memory // (bucket_elements * memory_per_param))
     if buckets_by_memory < 1:
         raise PlanError(
-            f"shadow memory: one bucket needs {bucket_elements * memory_per_param / 2**30:.1f} GiB, "
+            f"shadow memory: {unit} needs {bucket_elements * memory_per_param / 2**30:.1f} GiB, "
             f"more than a shadow host's {request.shadow_memory_gib:g} GiB"
         )
     buckets_per_shadow = min(buckets_by_cpu, buckets_by_memory, buckets)
@@ -244,8 +347,11 @@ def plan(request: PlanRequest) -> dict[str, Any]:
     nodes = 2 * groups
     copy_bytes_leaf = ring_copy_bytes * request.tp * leaf_workers / gpus
     copies_leaf = ring_datagrams * request.tp * leaf_workers / gpus
-    # frames into the leaf per iteration: each worker sends 2 (dp-1)/dp of its ring's bytes
-    ring_frames_leaf = leaf_workers * 2 * (request.dp - 1) / request.dp * ring_datagrams
+    # frames into the leaf per iteration: each worker sends 2 (dp-1)/dp of its ring's bytes (the tagged
+    # ring all-reduce), and (dp-1)/dp per parameter all-gather (FSDP2: forward and backward; ZeRO: after
+    # the step), counted on the same datagram grid
+    gathers = PARAMETER_GATHERS[request.parallelism]
+    ring_frames_leaf = leaf_workers * (2 + gathers) * (request.dp - 1) / request.dp * ring_datagrams
     checks = [
         ("multicast groups", groups, target.multicast_groups, target.sources["multicast_groups"]),
         ("replication-engine nodes", nodes, target.replication_nodes, target.sources["multicast_groups"]),
@@ -286,6 +392,7 @@ def plan(request: PlanRequest) -> dict[str, Any]:
     repeated = 0.5 + request.lag_iterations
     result: dict[str, Any] = {
         "request": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(request).items()},
+        "protection": protection(request.parallelism, request.tp),
         "gpus": gpus,
         "rings": {
             "count": request.tp,
@@ -294,6 +401,18 @@ def plan(request: PlanRequest) -> dict[str, Any]:
             "bucket_parameters": min(bucket_elements, ring_params),
             "tagged_datagrams_per_ring_per_iteration": ring_datagrams,
             "copied_bytes_per_ring_per_iteration": ring_copy_bytes,
+            "padding_elements_per_ring_per_iteration": ring_wire_elements - ring_params,
+            "parameter_all_gathers_per_iteration": gathers,
+            "gradient_bytes_sent_per_worker_per_iteration": {
+                "tagged": round(2 * (request.dp - 1) / request.dp * ring_wire_elements * grad_bytes),
+                "untagged": round(
+                    (2 if REDUCES_BY_ALL_REDUCE[request.parallelism] else 1)
+                    * (request.dp - 1)
+                    / request.dp
+                    * ring_wire_elements
+                    * grad_bytes
+                ),
+            },
         },
         "shadows": {
             "apply_rate_params_per_s_per_core": rate,

@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from controller.capacity import PlanInfeasible, PlanRequest, plan
+from controller.capacity import PLAN_PARALLELISMS, PlanInfeasible, PlanRequest, plan
 from controller.capacity_inputs import (
     DDP_DEFAULT_BUCKET_MB,
     DEFAULT_SHADOW_BENCH,
@@ -54,11 +54,21 @@ def render(result: dict[str, Any]) -> str:
         result["switch"],
         result["repeated_work_per_failure"],
     )
+    ring = result["rings"]
+    sent = ring["gradient_bytes_sent_per_worker_per_iteration"]
+    buckets = (
+        f"{r['fsdp_modules']} FSDP modules"
+        if r["parallelism"] == "fsdp2"
+        else f"{r['bucket_mb']:g} MB buckets"
+    )
     lines = [
         f"{_si(r['model_params'], 'params')} {r['optimizer']}, {result['gpus']} GPUs "
-        f"(dp {r['dp']} x tp {r['tp']}), "
-        f"{r['iteration_time_s'] * 1e3:g} ms/iteration, {r['grad_dtype']} gradients, "
-        f"{r['bucket_mb']:g} MB buckets",
+        f"({r['parallelism']}: dp {r['dp']} x tp {r['tp']}), "
+        f"{r['iteration_time_s'] * 1e3:g} ms/iteration, {r['grad_dtype']} gradients, {buckets}",
+        f"protection: {result['protection']}",
+        f"gradients sent per worker per iteration: {_si(sent['tagged'], 'B')} on the tagged ring "
+        f"({_si(sent['untagged'], 'B')} without Checkmate); "
+        f"{ring['parameter_all_gathers_per_iteration']} parameter all-gather(s), untagged",
         f"shadows: {s['processes']} processes ({s['per_ring']} per ring), one core each, on {s['hosts']} "
         f"host(s) (room for {s['shadows_per_host']} per host, limited by {s['host_limited_by']})",
         f"  each applies {_si(s['parameters_per_shadow'], 'params')} in "
@@ -110,6 +120,14 @@ def _number(text: str) -> float:
     return value
 
 
+def parameter_count(text: str) -> int:
+    """argparse type: a parameter count such as 7B or 350M, as a whole number (``job add --model-params``)."""
+    value = _number(text)
+    if value > 1e15:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a model size (more than 10^15 parameters)")
+    return round(value)
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (shared with controller.cli)."""
     try:
@@ -137,7 +155,25 @@ def add_plan_parser(commands: Any) -> None:
     p.add_argument("--link-gbps", type=_number, default=100.0, help="shadow host link, Gb/s (default 100)")
     p.add_argument("--switch", default="tofino", choices=["bmv2", "embedded", "tofino", "tofino2"])
     p.add_argument("--grad-dtype", default="fp32", choices=sorted(GRAD_DTYPE_BYTES), help="bucket dtype")
-    p.add_argument("--bucket-mb", type=_number, default=DDP_DEFAULT_BUCKET_MB, help="DDP bucket_cap_mb (25)")
+    p.add_argument(
+        "--parallelism",
+        default="ddp",
+        choices=PLAN_PARALLELISMS,
+        help="how the workers reduce gradients: ddp (all-reduce), fsdp2 (reduce-scatter per fully_shard "
+        "module), zero1, zero2 (sized, not protected yet); tensor parallelism is --tp (default ddp)",
+    )
+    p.add_argument(
+        "--fsdp-modules",
+        type=positive_int,
+        default=None,
+        help="with --parallelism fsdp2: the fully_shard modules holding parameters (e.g. layers + 1)",
+    )
+    p.add_argument(
+        "--bucket-mb",
+        type=_number,
+        default=None,
+        help=f"DDP bucket_cap_mb, ZeRO's reduce bucket ({DDP_DEFAULT_BUCKET_MB:g}); not with fsdp2",
+    )
     p.add_argument(
         "--shadow-cores-per-host", type=positive_int, default=32, help="cores per shadow host (32)"
     )
@@ -198,6 +234,11 @@ def add_plan_parser(commands: Any) -> None:
 
 
 def request_from_args(args: argparse.Namespace) -> PlanRequest:
+    if args.parallelism == "fsdp2" and args.bucket_mb is not None:
+        raise PlanError(
+            "--bucket-mb with --parallelism fsdp2: FSDP2 reduce-scatters once per fully_shard module "
+            "(--fsdp-modules), it has no buckets of its own"
+        )
     return PlanRequest(
         model_params=args.model_params,
         optimizer=args.optimizer,
@@ -207,7 +248,9 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         link_gbps=args.link_gbps,
         switch=args.switch,
         grad_dtype=args.grad_dtype,
-        bucket_mb=args.bucket_mb,
+        bucket_mb=DDP_DEFAULT_BUCKET_MB if args.bucket_mb is None else args.bucket_mb,
+        parallelism=args.parallelism,
+        fsdp_modules=args.fsdp_modules,
         shadow_cores_per_host=args.shadow_cores_per_host,
         shadow_memory_gib=args.shadow_memory_gib,
         shadow_busy=args.shadow_busy,

@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from checkmate.address import AddressError, parse_host_port
-from checkmate.job import JobSpec, JobSpecError
+from checkmate.job import PARALLELISMS, JobSpec, JobSpecError
 from checkmate.network import Addr, Network, NetworkError
 from checkmate.p4 import names
 from checkmate.p4.program import P4INFO_PATH, Target
 from checkmate.tls import TlsFiles
-from controller.capacity_cli import add_plan_parser, positive_int, run_plan
+from controller.capacity_cli import add_plan_parser, parameter_count, positive_int, run_plan
+from controller.capacity_job import check_shadow_memory, shadow_shares
 from controller.controller import Controller
 from controller.errors import ControllerError
 from controller.job_registry_cli import forget_job, lane_line, lane_summary, list_jobs
@@ -243,6 +244,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="add only lane t of a --tp-degree T job (its job id, its workers in ring order, its shadows); "
         "it must match the lanes already registered",
     )
+    add.add_argument(
+        "--parallelism",
+        help=f"how the workers reduce gradients: {' or '.join(PARALLELISMS)} (default ddp; fsdp2: "
+        "hosts.c10d_fsdp.enable_checkmate_fsdp)",
+    )
+    add.add_argument(
+        "--model-params",
+        type=parameter_count,
+        help="parameters of the whole model, e.g. 7B: with --optimizer and --shadow-memory-gib the job is "
+        "refused when a shadow cannot hold its share of the state (docs/capacity.md)",
+    )
+    add.add_argument("--optimizer", help="the optimizer as checkmate-ctl plan names it, e.g. adamw")
+    add.add_argument("--grad-dtype", help="the gradients' dtype on the wire: fp32 (default), bf16, fp16")
+    add.add_argument("--shadow-memory-gib", type=float, help="memory each shadow may use for the job, GiB")
     secret = job_cmds.add_parser(
         "secret",
         help="where a job's secret is kept; check a job file against it",
@@ -345,7 +360,15 @@ def _tp_degree(text: str) -> int:
 
 
 def _job_specs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[JobSpec]:
-    """The job(s) ``job add`` registers: one, or one per lane of a TP job (controller.jobs.split_lanes)."""
+    """The job(s) ``job add`` registers: one, or one per lane of a TP job (controller.jobs.split_lanes);
+    each checked against its shadows' memory when sized (controller.capacity_job)."""
+    specs = _lanes(args, parser)
+    for spec in specs:
+        check_shadow_memory(spec)
+    return specs
+
+
+def _lanes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[JobSpec]:
     if args.tp_index is not None and args.tp_degree is None:
         parser.error("job add: --tp-index needs --tp-degree")
     if args.spec is not None and args.tp_degree is not None:
@@ -357,7 +380,20 @@ def _job_specs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> lis
         if not 0 <= args.tp_index < args.tp_degree:
             raise JobSpecError(f"--tp-index {args.tp_index} is outside 0..{args.tp_degree - 1} (--tp-degree)")
         return [dataclasses.replace(spec, tp_degree=args.tp_degree, tp_index=args.tp_index)]
-    return split_lanes(spec, args.tp_degree)
+    # split_lanes deals the ring fields; every lane carries the job's sizing (each holds 1/T of it)
+    return [dataclasses.replace(lane, **spec.sizing_fields()) for lane in split_lanes(spec, args.tp_degree)]
+
+
+def _sizing(args: argparse.Namespace) -> dict[str, Any]:
+    """``job add``'s sizing options as JobSpec fields (those given)."""
+    given = {
+        "parallelism": args.parallelism,
+        "model_params": args.model_params,
+        "optimizer": args.optimizer,
+        "grad_dtype": args.grad_dtype,
+        "shadow_memory_gib": args.shadow_memory_gib,
+    }
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def _job_spec(args: argparse.Namespace, parser: argparse.ArgumentParser) -> JobSpec:
@@ -365,6 +401,11 @@ def _job_spec(args: argparse.Namespace, parser: argparse.ArgumentParser) -> JobS
     if args.spec is not None:
         if any(v is not None for v in inline) or args.shard or args.shadow_port is not None:
             parser.error("job add: give either --spec or --job-id/--workers/--shadows, not both")
+        if _sizing(args):
+            parser.error(
+                "job add: with --spec, give the sizing fields (parallelism, model_params, optimizer, "
+                "grad_dtype, shadow_memory_gib) in the spec file"
+            )
         try:
             return JobSpec.loads(args.spec.read_text())
         except OSError as exc:
@@ -376,7 +417,8 @@ def _job_spec(args: argparse.Namespace, parser: argparse.ArgumentParser) -> JobS
         if key in shards:
             raise JobSpecError(f"shard {key} is given twice")
         shards[key] = shadow
-    kwargs = {} if args.shadow_port is None else {"shadow_port": args.shadow_port}
+    kwargs: dict[str, Any] = {} if args.shadow_port is None else {"shadow_port": args.shadow_port}
+    kwargs.update(_sizing(args))
     return JobSpec(args.job_id, tuple(args.workers), tuple(args.shadows), shards, **kwargs)
 
 
@@ -510,6 +552,12 @@ def _add_jobs(ctl: Controller, state_dir: Path, specs: list[JobSpec], secret_fil
                 f"job {spec.job_id}{lane} added: slot {record.slot}, {len(record.groups)} multicast "
                 f"group(s), {len(record.rids)} shadow rewrite(s); secret kept in {path} (mode 0600)"
             )
+            for share in shadow_shares(spec):
+                print(
+                    f"  shadow {share.shadow}: {share.parameters:,} parameters, "
+                    f"{share.state_bytes / 2**30:,.1f} of {share.memory_bytes / 2**30:,.1f} GiB "
+                    f"({spec.parallelism})"
+                )
     except (ControllerError, NetworkError) as exc:
         for job_id in reversed(added):  # a TP job's lanes go in together or not at all
             ctl.remove_job(job_id)

@@ -131,6 +131,24 @@ def fabric(
             ctl.close()
 
 
+def cli_session(f: Fabric, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Callable[..., str]:
+    """``checkmate-ctl`` on ``f``'s network and state: ``ctl(*argv, status=0)`` asserts the exit
+    status and returns what the command printed (stderr when ``status`` is not 0)."""
+    from controller.cli import main
+
+    net = tmp_path / "net.json"
+    net.write_text(json.dumps(f.network.to_json()))
+    base = ["--network", str(net), "--state-dir", str(f.state_dir), "--timeout", "2"]
+
+    def ctl(*argv: str, status: int = 0) -> str:
+        code = main([*base, *argv])
+        out, err = capsys.readouterr()
+        assert code == status, (out, err)
+        return out if status == 0 else err
+
+    return ctl
+
+
 def gradient(
     src: str,
     dst: str,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from controller.cli import main
-from tests.controller.conftest import Fabric, gradient
+from tests.controller.conftest import Fabric, cli_session, gradient
 
 HELP = [
     [],
@@ -67,16 +67,7 @@ def test_a_whole_session(
     fabric: Callable[..., Fabric], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     f = fabric("single")
-    net = tmp_path / "net.json"
-    net.write_text(json.dumps(f.network.to_json()))
-    base = ["--network", str(net), "--state-dir", str(f.state_dir), "--timeout", "2"]
-
-    def ctl(*argv: str, status: int = 0) -> str:
-        code = main([*base, *argv])
-        out, err = capsys.readouterr()
-        assert code == status, err
-        return out if status == 0 else err
-
+    ctl = cli_session(f, tmp_path, capsys)
     assert "pushed the embedded pipeline to s1" in ctl("pipeline", "push")
     assert "in sync" in ctl("forwarding", "install")
     assert "job 7 added: slot 1, 8 multicast group(s), 2 shadow rewrite(s)" in ctl(
