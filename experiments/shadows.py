@@ -4,8 +4,11 @@
 its host (``checkmate-net exec``, so ``checkmate-net down`` also sweeps a
 shadow left behind), snapshotting every iteration into one shared directory,
 with the job's secret from the job file alone. A shadow is ready when its
-status file says it waits for the job. ``hosts`` says where each of the job's
-shadows runs; the job files and the final verification use its addresses
+status file says it waits for the job. With ``snapshot_url`` set
+(``nfs://SERVER/EXPORT/PATH``) the shadows persist their snapshots there instead
+(:mod:`checkmate.checkpoint.remote`) and keep their status files in ``snapshot_dir``
+(``--status-file``), where :meth:`ShadowProcesses.status` reads them. ``hosts`` says where
+each of the job's shadows runs; the job files and the final verification use its addresses
 (:meth:`ShadowProcesses.control`), so a caller that moves a shadow to another
 host updates it.
 """
@@ -62,6 +65,8 @@ class ShadowProcesses:
         """``--snapshot-seconds`` of the shadows started from now on (0: never by time)."""
         self.nice = 0
         """Niceness of the shadows started from now on (``nice -n``; 0: as this process)."""
+        self.snapshot_url: str | None = None
+        """``nfs://SERVER/EXPORT/PATH``: where shadows started from now on persist (None: snapshot_dir)."""
 
     def __bool__(self) -> bool:
         """Whether any shadow process was started and not yet stopped."""
@@ -83,7 +88,12 @@ class ShadowProcesses:
         if self.nice:
             argv = ["nice", "-n", str(self.nice), *argv]
         argv += ["--control", f"{ip}:{DEFAULT_CONTROL_PORT}", "--data", f"{ip}:{CHECKMATE_UDP_PORT}"]
-        argv += ["--snapshot-dir", str(self.snapshot_dir), "--snapshot-every", str(self.snapshot_every)]
+        if self.snapshot_url is not None:  # remote snapshots; the status file stays where status() reads it
+            argv += ["--snapshot-dir", self.snapshot_url]
+            argv += ["--status-file", str(self.snapshot_dir / f"status-{name}.json")]
+        else:
+            argv += ["--snapshot-dir", str(self.snapshot_dir)]
+        argv += ["--snapshot-every", str(self.snapshot_every)]
         argv += ["--snapshot-seconds", str(self.snapshot_seconds)]
         argv += ["--keep", str(config.snapshot_keep)]
         if resume:

@@ -2,7 +2,7 @@
 
     python -m experiments.bench [--workloads tinylm,large-state] [--placement partitioned,colocated]
         [--worker-cpus 0 --infra-cpus 1] [--sweep-k 1,2,4,8,16] [--iterations N] [--k 10]
-        [--rounds 3] [--workers 3] [--systems a,b,...] [--storage local|remote]
+        [--rounds 3] [--workers 3] [--systems a,b,...] [--storage local|remote|local,remote]
 
 For each workload (``WORKLOADS``: TinyLM, and a large-state 21.7M-parameter TinyLM) and
 each placement — *partitioned*: the workers pinned to one CPU set, the switch, supervisor,
@@ -172,11 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--storage",
-        choices=STORAGES,
         default=defaults.storage,
-        help="where the peers' checkpoints (and the shadows' snapshots) go: local (this machine's disk) or "
+        help="where the peers' checkpoints and the shadows' snapshots go: local (this machine's disk), "
         "remote (an NFS server, nfs-ganesha, on its own host of the emulated network, its link shaped "
-        "with tbf to --storage-cluster's checkpoint-write-to-all-reduce time ratio)",
+        "with tbf to --storage-cluster's checkpoint-write-to-all-reduce time ratio), or local,remote: "
+        "each workload and placement runs on both, reported side by side",
     )
     parser.add_argument(
         "--storage-cluster",
@@ -217,7 +217,7 @@ def config_from(args: argparse.Namespace, command: str) -> BenchConfig:
 
 
 def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
-    """One configuration per (workload, placement), in run order; refuses bad options with a clear message.
+    """One configuration per (workload, placement, storage), in run order; refuses bad options clearly.
 
     Without ``--rounds``, ``--sweep-k`` or ``--placement`` each workload uses its own
     (:class:`~experiments.bench.config.Workload`); without ``--systems`` each run has
@@ -241,7 +241,11 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
         raise BenchError(f"--syscalls must be 0 (off) to 10000 iterations, got {args.syscalls}")
     if args.syscalls and not SyscallWindow.available():
         raise BenchError("--syscalls needs strace on PATH (apt-get install strace)")
-    if args.storage == "remote":
+    storages = tuple(dict.fromkeys(s.strip() for s in args.storage.split(",")))
+    unknown = [s for s in storages if s not in STORAGES]
+    if unknown:
+        raise BenchError(f"--storage: unknown {', '.join(map(repr, unknown))} (local, remote, local,remote)")
+    if "remote" in storages:
         from controller.cluster_compare import CONFIGS
         from experiments.bench.storage_host import ganesha_missing
 
@@ -286,7 +290,7 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
             raise BenchError(f"{name}: {iterations} iterations must exceed --warmup ({args.warmup}) + 2")
         sweep_ks = given_ks if given_ks is not None else workload.sweep_ks
         placements = placements_of[name]
-        for placement in placements:
+        for placement, storage in ((p, s) for p in placements for s in storages):
             swept = placement == placements[0]
             ks = sweep_ks if swept else ()
             if everything:
@@ -324,7 +328,7 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
                     partition=cpus if placement == "partitioned" else None,
                     sweep_ks=ks,
                     syscall_iterations=args.syscalls,
-                    storage=args.storage,
+                    storage=storage,
                     storage_cluster=args.storage_cluster,
                     storage_mbit=args.storage_mbit,
                     measure_emulation=not args.no_emulation_check,

@@ -130,6 +130,8 @@ class BenchResult:
     """System -> per round, what it cost each worker (:func:`experiments.bench.worker_account.account`)."""
     emulation: dict[str, Any] | None = None
     """The fabric and storage measured before the systems ran (experiments.bench.emulation.measure)."""
+    shadow_snapshots: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """System -> per round, each shadow's snapshot writes (where, written, failed, the last failure)."""
 
     def summary(self) -> dict[str, Any]:
         known = self.config.known()
@@ -154,6 +156,9 @@ class BenchResult:
         for name, copies in self.switch_copies.items():
             if name in entries:
                 entries[name]["switch_shadow_copies_packets"] = copies
+        for name, writes in self.shadow_snapshots.items():
+            if name in entries:
+                entries[name]["shadow_snapshots"] = writes
         workload = WORKLOADS.get(self.config.workload)
         partition = self.config.partition
         swept = sweep.analyse(entries.values()) if self.config.sweep_ks else {}
@@ -189,6 +194,7 @@ class BenchResult:
                 "sweep_k": list(self.config.sweep_ks),
                 "network": f"topologies/single.json on the {self.config.target} target (Mininet)",
                 "shadows_disk_tier": " ".join(SHADOW_DISK.split()),
+                "storage": self.config.storage,
             },
             "machine": self.machine,
             "command": self.config.command,
@@ -229,11 +235,19 @@ def suite_summary(summaries: Sequence[Mapping[str, Any]], command: str, seconds:
     first = summaries[0]
     out = dict(first)
     out["runs"] = [
-        {"workload": s["settings"]["workload"], "placement": s["cpu_placement"]["mode"], **s}
+        {
+            "workload": s["settings"]["workload"],
+            "placement": s["cpu_placement"]["mode"],
+            "storage": storage_of(s),
+            **s,
+        }
         for s in summaries
     ]
+    several = len({storage_of(s) for s in summaries}) > 1
     out["errors"] = {
-        f"{s['settings']['workload']}/{s['cpu_placement']['mode']}: {name}": error
+        f"{s['settings']['workload']}/{s['cpu_placement']['mode']}"
+        + (f"/{storage_of(s)}" if several else "")
+        + f": {name}": error
         for s in summaries
         for name, error in s["errors"].items()
     }
@@ -242,35 +256,64 @@ def suite_summary(summaries: Sequence[Mapping[str, Any]], command: str, seconds:
     return out
 
 
+def storage_of(run: Mapping[str, Any]) -> str:
+    """Where a run's peers (and shadows) wrote: ``local`` or ``remote`` (runs before the setting: local)."""
+    return str(run.get("storage") or run.get("settings", {}).get("storage") or "local")
+
+
+PLACEMENT_NAMES = {"partitioned": "partitioned", "colocated": "co-located"}
+
+
 def placement_table(summaries: Sequence[Mapping[str, Any]], workload: str) -> str:
-    """One workload's systems: the partitioned figures, with the co-located ones as a second column."""
-    runs = {s["cpu_placement"]["mode"]: s for s in summaries if s["settings"]["workload"] == workload}
+    """One workload's systems: a column group per placement measured (partitioned first), and within a
+    placement one per storage when the runs wrote to more than one (local, then remote) side by side."""
+    mine = [s for s in summaries if s["settings"]["workload"] == workload]
+    several = len({storage_of(s) for s in mine}) > 1
+    order = {"partitioned": 0, "colocated": 1, "local": 0, "remote": 1}
+    keys = sorted(
+        {(s["cpu_placement"]["mode"], storage_of(s)) for s in mine},
+        key=lambda k: (order.get(k[0], 2), order.get(k[1], 2)),
+    )
+    runs = {(s["cpu_placement"]["mode"], storage_of(s)): s for s in mine}
+    if not several and {mode for mode, _ in keys} <= {"partitioned", "colocated"}:
+        keys = [(mode, keys[0][1]) for mode in ("partitioned", "colocated")]  # both placements, as before
     names: list[str] = []
     for run in runs.values():
         names += [e["name"] for e in run["systems"] if e["name"] not in names]
 
-    def cell(mode: str, name: str) -> str:
-        entry = next((e for e in runs.get(mode, {}).get("systems", []) if e["name"] == name), None)
+    def cell(key: tuple[str, str], name: str) -> str:
+        entry = next((e for e in runs.get(key, {}).get("systems", []) if e["name"] == name), None)
         if entry is None:
             return "— | — | —"
         ratio = "—" if entry["ratio_to_ideal"] is None else f"{entry['ratio_to_ideal']:.3f}"
         gloo = "—" if entry["ratio_to_gloo_ideal"] is None else f"{entry['ratio_to_gloo_ideal']:.3f}"
         return f"{entry['iterations_per_s']:.2f} | {ratio} | {gloo}"
 
+    def title(key: tuple[str, str]) -> str:
+        mode = PLACEMENT_NAMES.get(key[0], key[0])
+        return f"{mode}, {key[1]} storage" if several else mode
+
     lines = [
-        "| system | every | partitioned: iterations/s | ratio to same-transport ideal | "
-        "ratio to gloo ideal | "
-        "co-located: iterations/s | ratio to same-transport ideal | ratio to gloo ideal |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| system | every | "
+        + " | ".join(
+            f"{title(key)}: iterations/s | ratio to same-transport ideal | ratio to gloo ideal"
+            for key in keys
+        )
+        + " |",
+        "|---|---:|" + "---:|" * (3 * len(keys)),
     ]
     known = {e["name"]: e for run in runs.values() for e in run["systems"]}
     for name in names:
         every = known[name]["checkpoint_every"]
-        lines.append(
-            f"| {name} | {'never' if every is None else every} | {cell('partitioned', name)} | "
-            f"{cell('colocated', name)} |"
-        )
+        cells = " | ".join(cell(key, name) for key in keys)
+        lines.append(f"| {name} | {'never' if every is None else every} | {cells} |")
     return "\n".join(lines) + "\n"
+
+
+def run_label(run: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) -> str:
+    """``workload, placement``, and the storage when the runs wrote to more than one."""
+    label = f"{run['workload']}, {run['placement']}"
+    return label + (f", {storage_of(run)} storage" if len({storage_of(r) for r in runs}) > 1 else "")
 
 
 def cpu_table(run: Mapping[str, Any]) -> str:
@@ -312,7 +355,7 @@ def targets_markdown(summary: Mapping[str, Any]) -> str:
 
     lines: list[str] = []
     for run in summary["runs"]:
-        where = f"{run['workload']}, {run['placement']}"
+        where = run_label(run, summary["runs"])
         goals = run.get("targets", {})
         for key, what in (
             ("vs_same_transport_ideal", "its same-transport ideal"),
@@ -353,22 +396,24 @@ def suite_markdown(summary: Mapping[str, Any]) -> str:
             f"**{workload}** — {settings['model']}; {settings['rounds']} round(s) x >= "
             f"{settings['iterations_per_run']} iterations per system\n\n" + placement_table(mine, workload)
         )
-        parts += [f"{run['placement']}: {header_line(run.get('emulation'))}" for run in mine]
+        parts += [
+            f"{run_label(run, runs).split(', ', 1)[1]}: {header_line(run.get('emulation'))}" for run in mine
+        ]
         for run in mine:
+            where = run_label(run, runs)
             if run["settings"].get("sweep_k") and any(k != "checkmate" for k in run.get("sweep", {})):
                 parts.append(
-                    f"Checkpoint interval sweep ({workload}, {run['placement']}, k in "
+                    f"Checkpoint interval sweep ({where}, k in "
                     f"{run['settings']['sweep_k']}):\n\n" + sweep.markdown(run["sweep"])
                 )
             if any(e.get("cpu_time") for e in run["systems"]):
                 parts.append(
-                    f"Where the CPU time went ({workload}, {run['placement']}; CPU-seconds per second of the "
+                    f"Where the CPU time went ({where}; CPU-seconds per second of the "
                     "steady state, 100 % = one CPU):\n\n" + cpu_table(run)
                 )
             if run["cpu_placement"]["problems"]:
                 parts.append(
-                    f"CPU placement problems ({workload}, {run['placement']}): "
-                    + "; ".join(run["cpu_placement"]["problems"][:5])
+                    f"CPU placement problems ({where}): " + "; ".join(run["cpu_placement"]["problems"][:5])
                 )
     return "\n".join(parts)
 

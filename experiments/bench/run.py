@@ -39,6 +39,7 @@ from experiments.bench.cpu_time import CpuClock
 from experiments.bench.figures import LogFigures, figures, read_log
 from experiments.bench.report import BenchResult, atomic_write_text, machine_info
 from experiments.bench.storage_host import (
+    SHADOW_SNAPSHOTS,
     StorageHost,
     StorageHostError,
     cited_rate,
@@ -254,6 +255,9 @@ class BenchRun:
             self._job_at_switch = system.switch_replicates
         if system.shadows:
             shutil.rmtree(job.snapshot_dir, ignore_errors=True)
+            if self._storage is not None:  # --storage remote: the shadows persist to the storage host too
+                shutil.rmtree(self._storage.local_path(SHADOW_SNAPSHOTS), ignore_errors=True)
+                job.shadows.snapshot_url = storage_url(SHADOW_SNAPSHOTS)
             job.shadows.log_dir = self._log_dir
             job.shadows.snapshot_every = system.shadow_disk_every
             job.shadows.snapshot_seconds = system.shadow_disk_seconds
@@ -270,7 +274,9 @@ class BenchRun:
                 result.switch_copies[system.name] = copies
         finally:
             if job.shadows:
-                job.shadows.stop()
+                statuses = job.shadows.stop()
+                if system.shadows:
+                    result.shadow_snapshots.setdefault(system.name, []).append(self._persisted(statuses))
         result.cpu.setdefault(system.name, []).append(self._clock.shares(self._cpu_sets()))
         if self._account is not None:
             self._account["agent_counters"] = agent_counters(
@@ -278,6 +284,29 @@ class BenchRun:
             )
         result.worker_account.setdefault(system.name, []).append(self._account)
         return figures(read_log(self._log_dir / "rank0.jsonl"), system, self.bench.warmup)
+
+    def _persisted(self, statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """What each shadow's snapshot writer did in this run (from its last status), said when it failed."""
+        persisted: dict[str, Any] = {}
+        for name, status in sorted(statuses.items()):
+            stats = status.get("snapshots") or {}
+            persisted[name] = {
+                key: stats.get(key)
+                for key in (
+                    "storage",
+                    "written",
+                    "failed",
+                    "superseded",
+                    "last_step",
+                    "last_seconds",
+                    "failing",
+                )
+            }
+            if stats.get("failed"):
+                self.renamer.say(
+                    f"shadow {name}: {stats['failed']} snapshot write(s) failed; last: {stats.get('failing')}"
+                )
+        return persisted
 
     def _run_iterations(self, system: System) -> int:
         """Iterations for ``system``: enough for at least 3 of its checkpoints after the warmup."""

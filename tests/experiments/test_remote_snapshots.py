@@ -265,3 +265,31 @@ def test_an_unreachable_server_is_said_and_the_shadow_goes_on(served: Served, tm
         writer.close(timeout=1.0)
     with pytest.raises(nfs.NFSError):
         RemoteRoot(url, timeout=3.0).complete_steps()
+
+
+def test_the_bench_starts_shadows_persisting_to_the_url_with_their_status_kept_local(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from types import SimpleNamespace
+
+    from experiments import shadows as module
+    from experiments.bench.storage_host import SHADOW_SNAPSHOTS, storage_url
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(module.subprocess, "Popen", lambda argv, **kwargs: started.append(argv))
+    monkeypatch.setattr(module, "secret_env", lambda job_file: {})
+    config = SimpleNamespace(python="python", job_id=1, shadows=["sh1"], snapshot_keep=3)
+    processes = module.ShadowProcesses(
+        config,  # type: ignore[arg-type]
+        tmp_path / "net",
+        tmp_path / "snapshots",
+        tmp_path / "logs",
+        tmp_path / "job.json",
+        lambda host: "10.0.1.1",
+        None,  # type: ignore[arg-type]
+    )
+    processes.snapshot_url = storage_url(SHADOW_SNAPSHOTS)
+    processes.start("sh1")
+    argv = started[0]
+    assert argv[argv.index("--snapshot-dir") + 1] == "nfs://10.0.8.1/checkpoints/shadows"
+    assert argv[argv.index("--status-file") + 1] == str(tmp_path / "snapshots" / "status-sh1.json")

@@ -186,3 +186,48 @@ def test_the_docs_header_names_the_remote_storage_and_its_shaping() -> None:
     assert "remote storage (NFS on the storage host, link shaped to 64 Mbit/s: llama3-405b" in line
     assert "8.1 MB/s written, 7.8 MB/s committed" in line
     assert "this machine's local storage (1.6 MB writes): 2514 MB/s buffered" in line
+
+
+def test_both_storages_run_one_after_the_other_and_report_side_by_side() -> None:
+    from experiments.bench.cli import build_parser, plan_from
+    from experiments.bench.config import BenchError
+    from experiments.bench.report import suite_markdown, suite_summary
+
+    def plan(*argv: str) -> list[object]:
+        args = ["--workloads", "tinylm", "--placement", "colocated", "--sweep-k", "", *argv]
+        return plan_from(build_parser().parse_args(args), "x")  # type: ignore[return-value]
+
+    if missing() is None:
+        both = plan("--storage", "local,remote")
+        assert [c.storage for c in both] == ["local", "remote"]  # type: ignore[attr-defined]
+    with pytest.raises(BenchError, match="--storage: unknown 'nfs'"):
+        plan("--storage", "local,nfs")
+
+    def run(storage: str, rates: dict[str, float]) -> dict[str, object]:
+        systems = [
+            {"name": name, "checkpoint_every": 1 if name != "ideal-gloo" else None, "iterations_per_s": rate,
+             "ratio_to_ideal": rate / rates["ideal-gloo"], "ratio_to_gloo_ideal": rate / rates["ideal-gloo"]}
+            for name, rate in rates.items()
+        ]  # fmt: skip
+        return {
+            "systems": systems, "targets": {}, "sweep": {}, "errors": {}, "emulation": None,
+            "cpu_placement": {"mode": "colocated", "partition": None, "observed": {}, "problems": []},
+            "settings": {"workload": "tinylm", "model": "TinyLM", "rounds": 1, "iterations_per_run": 20,
+                         "sweep_k": [], "storage": storage},
+        }  # fmt: skip
+
+    local = run("local", {"ideal-gloo": 4.0, "torch-save-1": 2.0, "checkmate": 3.5})
+    remote = run("remote", {"ideal-gloo": 4.0, "torch-save-1": 0.5})
+    summary = suite_summary([local, remote], "x", 1.0)
+    assert [r["storage"] for r in summary["runs"]] == ["local", "remote"]
+    text = suite_markdown(summary)
+    assert (
+        "| system | every | co-located, local storage: iterations/s | ratio to same-transport ideal | "
+        "ratio to gloo ideal | co-located, remote storage: iterations/s |" in text
+    )
+    assert "| torch-save-1 | 1 | 2.00 | 0.500 | 0.500 | 0.50 | 0.125 | 0.125 |" in text
+    assert "| checkmate | 1 | 3.50 | 0.875 | 0.875 | — | — | — |" in text
+    assert "colocated, remote storage: The emulation's bandwidths were not measured" in text
+    # one storage: the table keeps its two placement groups and says nothing of storage
+    alone = suite_markdown(suite_summary([local], "x", 1.0))
+    assert "| system | every | partitioned: iterations/s |" in alone and "storage" not in alone
