@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         "shadows, checks the result against an uninterrupted run and merges the lanes' snapshots "
         "(experiments/tp_demo.py)",
     )
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="the workers train with FSDP2 (fully_shard) on the checkmate torch.distributed backend "
+        "(examples/train_fsdp.py) instead of DDP: the switch copies each reduce-scatter's fully reduced "
+        "shards, the shadows hold the full state; the same kill, resume and checks",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens")
     return parser
 
@@ -105,16 +112,17 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         work_dir=args.work_dir,
         results_dir=args.results,
         target=args.target,
+        worker_module="examples.train_fsdp" if args.fsdp else JobConfig().worker_module,
     )
 
 
-def write_results(result: JobResult, directory: Path) -> tuple[Path, Path]:
-    """``demo.json`` and ``demo.png`` in ``directory``."""
+def write_results(result: JobResult, directory: Path, name: str = "demo") -> tuple[Path, Path]:
+    """``NAME.json`` and ``NAME.png`` in ``directory`` (``demo``; ``demo-fsdp`` for ``--fsdp``)."""
     directory.mkdir(parents=True, exist_ok=True)
     summary = result.summary()
-    json_path = directory / "demo.json"
+    json_path = directory / f"{name}.json"
     json_path.write_text(json.dumps(summary, indent=2) + "\n")
-    png_path = directory / "demo.png"
+    png_path = directory / f"{name}.png"
     demo_plot(result, summary, png_path)
     return json_path, png_path
 
@@ -137,6 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.kill_iteration is not None and not 1 <= config.kill_iteration < config.iterations:
         console.print(f"[red]--kill-at must lie in 1..{config.iterations - 1}")
         return 2
+    if args.fsdp and (args.tp > 1 or args.elastic):
+        console.print("[red]--fsdp runs one FSDP2 job on h1-h3: it does not combine with --tp or --elastic")
+        return 2
     if args.tp > 1:  # TP x DP: one Checkmate lane per TP index (experiments/tp_demo.py)
         from experiments.tp_demo import tp_main
 
@@ -147,7 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     console.print(
-        f"[bold]Checkmate demo[/]: {len(config.workers)} DDP workers ({', '.join(config.workers)}) and "
+        f"[bold]Checkmate demo[/]: {len(config.workers)} {'FSDP2' if args.fsdp else 'DDP'} workers "
+        f"({', '.join(config.workers)}) and "
         f"{len(config.shadows)} shadows ({', '.join(config.shadows)}) on one emulated P4 switch; "
         + (
             f"rank {config.kill_rank} is killed during iteration {config.kill_iteration}."
@@ -168,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = result.summary()
     paths: tuple[Path, Path] | tuple[None, None] = (None, None)
     if config.results_dir is not None:
-        paths = write_results(result, config.results_dir)
+        paths = write_results(result, config.results_dir, "demo-fsdp" if args.fsdp else "demo")
     print_summary(console, summary, *paths)
     checks = [summary["shadow_equals_workers"], summary["recovered_equals_uninterrupted"]]
     if summary.get("elastic"):
