@@ -7,7 +7,8 @@ when the file differs from what would be written (the test suite runs it).
 Two tables: public model sizes from 8 to 10,000 GPUs on Tofino 2, and the small end
 next to what ``make bench`` measured in the emulated network (results/bench.json). Between
 the ``cluster-compare`` markers: the cluster-scale comparison of
-:mod:`controller.cluster_compare` and its check against make bench.
+:mod:`controller.cluster_compare` and its check against make bench. Between the
+``capacity-sharded`` markers: one model as DDP and as FSDP2 (``--parallelism``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ BEGIN = "<!-- capacity-table:begin (python -m controller.capacity_table writes t
 END = "<!-- capacity-table:end -->"
 COMPARE_BEGIN = "<!-- cluster-compare:begin (python -m controller.capacity_table writes this) -->"
 COMPARE_END = "<!-- cluster-compare:end -->"
+SHARDED_BEGIN = "<!-- capacity-sharded:begin (python -m controller.capacity_table writes this) -->"
+SHARDED_END = "<!-- capacity-sharded:end -->"
+SHARDED_MODEL = ("Llama-2 7B", 6.74e9, 64)
+"""The sharded-job table's model, parameters and GPUs (dp; no TP: FSDP2 with TP is not protected)."""
+SHARDED_LAYOUTS = (
+    ("DDP, 25 MB buckets", "ddp", None),
+    ("FSDP2, one `fully_shard` per block + the root (33 modules)", "fsdp2", 33),
+    ("FSDP2, attention and MLP apart (65 modules)", "fsdp2", 65),
+    ("FSDP2, 129 modules", "fsdp2", 129),
+)
 
 MODELS = (
     # name, parameters, tensor-parallel degree used in the table
@@ -111,6 +122,55 @@ def cluster_table(shadow_bench: Path) -> list[str]:
                 f"{rep['gpu_hours']:.2f} ({rep['periodic']['gpu_hours']:.1f}) |"
             )
     return rows
+
+
+def sharded_table(shadow_bench: Path) -> list[str]:
+    """One model as DDP and as FSDP2 with coarser and finer ``fully_shard`` modules (docs/capacity.md)."""
+    name, params, dp = SHARDED_MODEL
+    t = iteration_time(params, 1)
+    rows = [
+        f"{name} ({params:.3g} parameters) on {dp} GPUs at the assumed {t:.3f} s per iteration, AdamW, fp32 "
+        "gradients, 400 Gb/s shadow links, Tofino 2:",
+        "",
+        "| layout | buckets of parameters | shadows (hosts) | per shadow: parameters, apply time, memory | "
+        "busiest leaf: groups / entries | copied GB per ring per iteration | gradient GB a worker sends "
+        "(without Checkmate) |",
+        "|---|---|---:|---|---|---:|---|",
+    ]
+    for label, parallelism, modules in SHARDED_LAYOUTS:
+        request = PlanRequest(
+            model_params=params,
+            optimizer="adamw",
+            iteration_time_s=t,
+            dp=dp,
+            link_gbps=400,
+            switch="tofino2",
+            parallelism=parallelism,
+            fsdp_modules=modules,
+            shadow_bench=shadow_bench,
+        )
+        try:
+            r = plan(request)
+        except PlanError as exc:
+            rows.append(f"| {label} | cannot plan: {exc} ||||||")
+            continue
+        ring, s = r["rings"], r["shadows"]
+        need = {row["resource"]: row["needed"] for row in r["switch"]["resources"]}
+        sent = ring["gradient_bytes_sent_per_worker_per_iteration"]
+        rows.append(
+            f"| {label} | {ring['buckets_per_ring']:,} of {ring['bucket_parameters'] / 1e6:,.2f} M | "
+            f"{s['processes']:,} ({s['hosts']:,}) | {s['parameters_per_shadow'] / 1e6:,.0f} M, "
+            f"{s['apply_seconds_per_iteration'] * 1e3:,.0f} ms, "
+            f"{s['memory_bytes_per_shadow'] / 1e9:,.1f} GB | "
+            f"{need['multicast groups']:,} / {need['replicate_to_shadow entries']:,} | "
+            f"{ring['copied_bytes_per_ring_per_iteration'] / 1e9:,.2f} | "
+            f"{sent['tagged'] / 1e9:,.1f} ({sent['untagged'] / 1e9:,.1f}) |"
+        )
+    return rows
+
+
+def render_sharded(shadow_bench: Path = DEFAULT_SHADOW_BENCH) -> str:
+    return "\n".join([SHARDED_BEGIN, "", *sharded_table(shadow_bench), "", SHARDED_END])
 
 
 def bench_check(shadow_bench: Path, bench: Path) -> list[str]:
@@ -200,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     current = args.doc.read_text()
     new = update(update(current, render()), render_compare(), COMPARE_BEGIN, COMPARE_END)
+    new = update(new, render_sharded(), SHARDED_BEGIN, SHARDED_END)
     if args.check:
         if new != current:
             print(f"{args.doc} is out of date: run python -m controller.capacity_table", file=sys.stderr)
