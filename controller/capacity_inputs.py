@@ -46,8 +46,10 @@ GRAD_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 PARAMETER_GATHERS = {"ddp": 0, "fsdp2": 2, "zero1": 1, "zero2": 1}
 """Parameter all-gathers per iteration (untagged, through the same switch): FSDP2 gathers each module
-before its forward and again before its backward (``reshard_after_forward=True``, the default); ZeRO-1/2
-gather the updated parameter shards after the step; DDP none."""
+before its forward and again before its backward (``reshard_after_forward=True``, the default; the root
+module, kept gathered after its forward, only once: an upper bound); ZeRO-1/2 gather the updated
+parameter shards after the step (torch's ZeroRedundancyOptimizer by one broadcast per rank, the same
+bytes); DDP none."""
 REDUCES_BY_ALL_REDUCE = {"ddp": True, "fsdp2": False, "zero1": True, "zero2": False}
 """Whether the job's own gradient collective is an all-reduce (DDP, ZeRO-1) or a reduce-scatter (FSDP2,
 ZeRO-2); protected, both run Checkmate's ring all-reduce, whose fully reduced chunks are tagged."""
