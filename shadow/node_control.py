@@ -208,7 +208,7 @@ class ControlServer:
                     if not is_control:
                         is_control = True
                         self._link.adopt(conn)
-                    if not self._on_job_start(message, conn):
+                    if not self._on_job_start(message, conn, ticket.accepted):
                         return
                 elif isinstance(message, LayoutMessage):
                     if not self._on_layout(message, conn):
@@ -234,7 +234,8 @@ class ControlServer:
             self._link.release(conn)
             conn.close()
 
-    def _on_job_start(self, message: JobStart, conn: socket.socket) -> bool:
+    def _on_job_start(self, message: JobStart, conn: socket.socket, connected_at: float) -> bool:
+        """Take rank 0's job_start; ``connected_at``: when ``conn`` was accepted (``time.monotonic()``)."""
         if self._config.job_id is not None and message.job_id != self._config.job_id:
             logger.error("shadow %s: job %d is not the configured job", self._name, message.job_id)
             refusal = Goodbye(message.job_id, f"this shadow serves job {self._config.job_id}")
@@ -263,7 +264,7 @@ class ControlServer:
             return False
         with self._lock:
             new_run = self._link.begin_job(job, conn)
-            self._receiver.begin_job(job, message.start_iteration, new_run)
+            self._receiver.begin_job(job, message.start_iteration, new_run, connected_at)
             self._state.forget_epoch()
             self._pending_start = message
         logger.info(

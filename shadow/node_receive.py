@@ -367,8 +367,11 @@ class Receiver:
 
     # -- what the control server hands over ----------------------------------------------------
 
-    def begin_job(self, job: Job, start_iteration: int, new_run: bool) -> None:
-        """A job_start: no epoch until its layout comes; held copies and commits sorted out."""
+    def begin_job(self, job: Job, start_iteration: int, new_run: bool, connected_at: float) -> None:
+        """A job_start: no epoch until its layout comes; held copies and commits sorted out.
+
+        ``connected_at`` (``time.monotonic()``): when the job_start's control connection was accepted.
+        """
         with self._lock:
             self._restash_unconfirmed()  # placed under the old layout: sorted out with the stash below
             self._job = job
@@ -376,13 +379,23 @@ class Receiver:
             self._blocked = None
             self._repairs = RepairTracker(self._config.repair, len(job.workers))
             # Copies of earlier iterations are stale. A job_start on a new control connection
-            # (the job restarted, maybe with another worker count) makes every held copy stale:
-            # the failed run's iterations >= start are redone, possibly with other chunks and
-            # sums. A layout change within a run keeps copies of later iterations (same run).
-            for iteration in [i for i in self._stash if new_run or i < start_iteration]:
-                for data, *_ in self._stash.pop(iteration):
-                    self._stash_bytes -= len(data)
-                    self._drop(DropReason.STALE.value)
+            # (the job restarted, maybe with another worker count) makes every copy held from
+            # before that connection stale: the failed run's iterations >= start are redone,
+            # possibly with other chunks and sums. Copies that arrived after it are this run's:
+            # rank 0 connects and then sends the whole state, and for a large model the first
+            # iteration's copies arrive while it is on its way (dropping them cost a repair of
+            # the shadow's whole share, the large-state benchmark's start-up repair). A layout
+            # change within a run keeps copies of later iterations (same run).
+            for iteration in list(self._stash):
+                kept = []
+                for entry in self._stash.pop(iteration):
+                    if iteration >= start_iteration and (not new_run or entry[1] >= connected_at):
+                        kept.append(entry)
+                    else:
+                        self._stash_bytes -= len(entry[0])
+                        self._drop(DropReason.STALE.value)
+                if kept:
+                    self._stash[iteration] = kept
             # Commit records arrive on the control connection after their job_start, so any
             # held for iterations >= start belong to a previous run or layout: drop them all.
             self._commits.clear()
