@@ -163,6 +163,9 @@ def test_restore_reads_the_url_back(served: Served, tmp_path: Path) -> None:
     staged = reader.root
     del reader
     assert not staged.exists()  # the staged copy goes with the reader
+    from checkmate.checkpoint.cli import main as checkmate_ckpt
+
+    assert checkmate_ckpt(["verify", url]) == 0  # every checksum, read from the staged copy
     from checkmate.checkpoint.source import SourceError
 
     with pytest.raises(SourceError, match=f"no usable checkpoint in {served.url('nowhere')}"):
