@@ -14,8 +14,9 @@ Modules: :mod:`hosts.transport` (reliable UDP, assembled from :mod:`hosts.transp
 (ring all-reduce, tags, repair service), :mod:`hosts.ddp` (``enable_checkmate`` and the
 agent, assembled from :mod:`hosts.ddp_config` (configuration, job file),
 :mod:`hosts.ddp_hook` (the DDP comm hook), :mod:`hosts.ddp_gradients` (clipping, the
-path to the optimizer step), :mod:`hosts.ddp_commits` (rank 0's job start, commit
-records, fingerprints) and :mod:`hosts.ddp_tp` (DDP over a TP model)),
+path to the optimizer step), :mod:`hosts.ddp_commits` (the iteration count, rank 0's job
+start, commit records, fingerprints), :mod:`hosts.ddp_links` (the control channel, the
+protection watch, the job file followed) and :mod:`hosts.ddp_tp` (DDP over a TP model)),
 :mod:`hosts.control_channel` (rank 0 -> shadows, TCP), :mod:`hosts.recovery` (resume
 from the shadows' memory or disk, through :mod:`checkmate.checkpoint`'s state sources),
 :mod:`hosts.random_state` (``hosts.RandomState``: the job's generators as one

@@ -402,6 +402,14 @@ class ControlChannel:
     def needs_state(self) -> bool:
         return any(link.needs_state for link in self.links)
 
+    def all_ready(self) -> bool:
+        """Every link connected and none waiting for state (no shadow is new, restarted or away)."""
+        return all(link.connected and not link.needs_state for link in self.links)
+
+    def unreachable(self) -> list[str]:
+        """The names of the links not connected now."""
+        return [link.name for link in self.links if not link.connected]
+
     def post(self, message: Message) -> None:
         for link in self.links:
             link.post(message)

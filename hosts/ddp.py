@@ -48,23 +48,30 @@ rank 0 and shadows; :class:`~hosts.ddp_config.CheckmateConfig`), and
 :func:`hosts.ddp_tp.localize_tensor_parallel` makes a TP model's DTensor parameters
 DDP's (docs/checkpoint-format.md, "Checkmate for TP x DP jobs").
 
-How it is cut (each part a module, assembled into :class:`CheckmateAgent` here):
+How it is cut (each component a module, owning its state; :class:`CheckmateAgent` here
+composes them, and they talk through methods only; docs/architecture.md, "The host agent"):
 
 * :mod:`hosts.ddp_config` - :class:`CheckmateConfig` and the job file; frozen values
   built on the training thread, no lock.
-* :mod:`hosts.ddp_gradients` - the clipping / unscaling / scaler-update interceptions
-  (torch patched while any agent lives; the registry and the patches under its module
-  lock ``_AGENTS_LOCK``) and the step pre-hook's checks; training thread.
-* :mod:`hosts.ddp_hook` - the DDP communication hook; the backward pass's thread hands
-  buckets to the ring, whose transport receive thread completes them under the ring's lock.
-* :mod:`hosts.ddp_commits` - rank 0's messages to the shadows (job start, bucket layout,
-  commits, fingerprints, job state, job-file changes); training thread, from the step
-  post-hook and the forward pre-hook; the control channel's per-link sender threads send
-  what it queues under the channel's lock.
+* :mod:`hosts.ddp_gradients` - :class:`~hosts.ddp_gradients.GradientGuard`: the clipping /
+  unscaling / scaler-update interceptions (torch patched while any agent lives; the registry
+  and the patches under its module lock ``_AGENTS_LOCK``), the gradient multiplications and
+  parameters without a gradient until the commit takes them, and the step pre-hook's checks;
+  training thread.
+* :mod:`hosts.ddp_hook` - :class:`~hosts.ddp_hook.CommHook`: the DDP communication hook; the
+  backward pass's thread hands buckets to the ring, whose transport receive thread completes
+  them under the ring's lock.
+* :mod:`hosts.ddp_commits` - :class:`~hosts.ddp_commits.ShadowMessages`: the iteration count
+  and rank 0's messages to the shadows (job start, bucket layout, commits, fingerprints, job
+  state, data position); training thread, from the step post-hook, the forward pre-hook and
+  the hook's iteration events.
+* :mod:`hosts.ddp_links` - :class:`~hosts.ddp_links.ShadowLinks`: the control channel (its
+  per-link sender threads send what it queues under the channel's lock), the protection watch
+  and the job file followed.
 * :mod:`hosts.ddp_tp` - DTensor parameters kept local for DDP (module hooks, training thread).
 
-This module only sets the parts up (rendezvous, transport, ring, control channel,
-hooks) and tears them down (:meth:`CheckmateAgent.close`, collective).
+This module only sets the parts up (rendezvous, transport, ring, the components, hooks) and
+tears them down (:meth:`CheckmateAgent.close`, collective).
 """
 
 from __future__ import annotations
@@ -73,32 +80,32 @@ import atexit
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from checkmate.auth import secret_from_env
-from checkmate.control import BucketSpec, Commit, validate_data_position
-from checkmate.job_state import JobState, JobStateError
+from checkmate.control import Commit, validate_data_position
+from checkmate.job_state import JobStateError
+from checkmate.job_state import capture as capture_job_state
 from checkmate.optimizers import check_replayable, pin_implementation
 from checkmate.os_threads import name_os_threads
-from hosts import ddp_gradients
-from hosts.control_channel import ControlChannel, ControlConfig
-from hosts.ddp_commits import ShadowMessages
+from hosts.control_channel import ControlChannel
+from hosts.ddp_commits import JobContext, ShadowMessages
 from hosts.ddp_config import (
     CheckmateConfig,
     CheckmateConfigError,
-    _file_stamp,
-    _fingerprint_every,
+    _fingerprint_every,  # noqa: F401  (hosts.ddp._fingerprint_every: where tests and scripts found it)
     _replication_mode,
     ask_shadow_data_ports,
     read_job_file,
 )
 from hosts.ddp_gradients import CheckmateStateError, GradientGuard, clip_grad_norm_
-from hosts.ddp_hook import CommHook
+from hosts.ddp_hook import CommHook, comm_hook
+from hosts.ddp_links import ShadowLinks
 from hosts.metrics import start_agent_metrics
-from hosts.protection import ProtectionWatch, VerdictBoard
+from hosts.random_state import RandomStateError, check_same_on_every_rank
 from hosts.ring_allreduce import RingAllReduce, RingConfig
 from hosts.transport import Addr, Transport, TransportConfig
 
@@ -115,7 +122,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
+class CheckmateAgent:
     """One rank's host agent for a DDP model; made by :func:`enable_checkmate`."""
 
     def __init__(
@@ -135,7 +142,6 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
             )
         self.model = ddp_model
         self.optimizer = optimizer
-        self.config = config
         self.rank = config.rank
         module = ddp_model.module
         # Fail fast, on every rank alike: what the shadows cannot replay is refused here.
@@ -151,20 +157,10 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
         pin_implementation(optimizer)
         self.stateful: dict[str, Any] = dict(stateful or {})
         """The job's Stateful objects by name; their state travels with every commit."""
-        self._job_state: tuple[int, JobState] | None = None
-        """(i, the job state before iteration i), captured at i's first forward pass."""
         try:  # fail fast, on every rank: an object whose state cannot travel is refused here
-            self._job_state = (config.start_iteration, self._capture_job_state())
+            initial_state = capture_job_state(module, self.stateful, optimizer)
         except JobStateError as exc:
             raise CheckmateConfigError(str(exc)) from None
-        self._pending_commit: Commit | None = None
-        self._early: tuple[int, JobState] | None = None
-        """(t, iteration t's early job state: buffers, stateful objects stepped before the step)."""
-        self._sent_job_state: JobState | None = None
-        """The job state last sent in a commit or job_start (a commit whose state equals it omits it)."""
-        """Rank 0: the last step's commit, sent at the next forward pass (when the job state is final)."""
-        self.names: dict[int, str] = {id(p): n for n, p in module.named_parameters()}
-        self._param_ids = set(self.names)
         self._group: Any = getattr(ddp_model, "process_group", None) if dist.is_initialized() else None
         """The DDP model's process group: every rank of this ring (with TP x DP: one TP index's DP group)."""
         workers = self._rendezvous(config)
@@ -174,7 +170,7 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
             ports = ask_shadow_data_ports(
                 config.shadow_control, config.job_id, config.shadow_connect_timeout, config.secret
             )
-            config = self.config = dataclasses.replace(config, shadow_data_ports=ports)
+            config = dataclasses.replace(config, shadow_data_ports=ports)
         self.transport = Transport(
             TransportConfig(
                 bind=config.bind,
@@ -184,83 +180,55 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
                 secret=config.secret,
             )
         )
+        links = self._links = ShadowLinks(config, self.rank)
         self.ring = RingAllReduce(
             self.transport,
             RingConfig(
                 job_id=config.job_id,
                 rank=config.rank,
                 workers=workers,
-                shard_key_for_bucket=lambda bucket: self.config.shard_key_for_bucket(bucket),
+                shard_key_for_bucket=lambda bucket: links.config.shard_key_for_bucket(bucket),
                 timeout=config.timeout,
                 keep_iterations=config.keep_iterations,
                 host_replica=(
-                    (lambda key: self.config.shadow_data_address(key))
+                    (lambda key: links.config.shadow_data_address(key))
                     if _replication_mode(config.replication) == "host"
                     else None
                 ),
             ),
         )
-        self.iteration = config.start_iteration
-        """The next all-reduce iteration."""
-        self._bucket_layout: dict[int, BucketSpec] = {}
-        self._layout_sent: list[BucketSpec] | None = None
-        self._uncommitted: int | None = None
-        self._scaling: list[tuple[str, float, torch.dtype, frozenset[int] | None]] = []
-        """Gradient multiplications (unscale, clip) since the last commit, in order."""
-        self._no_grad: list[str] = []
-        """Rank 0: the optimizer's parameters without a gradient at this iteration's step."""
-        self._state_checked = False
-        self._fingerprint_every = _fingerprint_every(config.fingerprint_every, ddp_model.module)
-        self._last_hyper: list[dict[str, Any]] = []
-        self.optimizer_steps = config.optimizer_step
-        self._data_position: Any = None
-        """Set by :meth:`set_data_position` since the last commit (None: not set)."""
-        self._committed_position: Any = initial_position
-        """The data position after the last committed iteration (None: unknown)."""
-        self.commits: list[Commit] = []
-        """Commit records made on this rank (rank 0), for inspection."""
-        self._job_file_stamp = _file_stamp(config.job_file)
-        self.channel: ControlChannel | None = None
-        if self.rank == 0 and config.shadow_control:
-            self.channel = ControlChannel(
-                config.job_id,
-                config.shadow_control,
-                ControlConfig(connect_timeout=config.shadow_connect_timeout),
-                secret=config.secret,
-                unnamed=config.unnamed_shadows,
-            )
-            up = self.channel.wait_connected(config.shadow_connect_timeout)
-            logger.info("%d of %d shadows reachable at start", up, len(config.shadow_control))
-            self.channel.post_state(lambda: [self._job_start(config.start_iteration)])
-        # Never silently unprotected: rank 0 judges the shadows' certificates, every rank raises a verdict.
-        self._protection: ProtectionWatch | None = None
-        self._posted_through: int | None = None
-        if config.shadow_control:
-            policy = config.protection
-            board = VerdictBoard.default(config.job_id) if policy.unprotected == "raise" else None
-            self._protection = ProtectionWatch(
-                policy,
-                self.rank,
-                config.start_iteration,
-                board,
-                certificate_every=self._fingerprint_every,
-                world_size=config.world_size,
-            )
+        self._gradients = GradientGuard(module, optimizer, self.rank, self._after_scaler_update)
+        self._messages = ShadowMessages(
+            module,
+            optimizer,
+            self.stateful,
+            JobContext(self.rank, workers, initial_state, initial_position, self.ring.release_through),
+            self._gradients,
+            links,
+        )
+        links.open(self._messages.start_messages, self._messages.fingerprint_every)
         self._metrics = (
-            start_agent_metrics(self, config.job_id, self.rank, config.metrics_port)
+            # hosts.metrics' _Agent protocol names plain attributes; the agent's iteration and channel
+            # are read-only properties, and reading them is all the metrics do
+            start_agent_metrics(cast(Any, self), config.job_id, self.rank, config.metrics_port)
             if self.rank == 0 and config.metrics_port is not None
             else None
         )
         if dist.is_initialized():
             dist.barrier(group=self._group)  # every rank's transport is up before the first gradient moves
-        self.register(ddp_model)
-        self._step_handle = optimizer.register_step_post_hook(self._after_step)
-        self._structure = self._structure_now()
-        self._pre_step_handle = optimizer.register_step_pre_hook(self._before_step)
-        self._guard_add_param_group()
-        self._forward_handle = ddp_model.register_forward_pre_hook(self._before_forward)
-        atexit.register(self._flush_at_exit)  # a script that never calls close() still sends its last commit
-        ddp_gradients.install(self)
+        self._check_random_states()
+        self._hook = CommHook(
+            self.ring,
+            self._gradients.names,
+            self._messages,
+            links,
+            CommHook.watches_random_state(self.rank, self.stateful),
+        )
+        ddp_model.register_comm_hook(self, comm_hook)
+        self._step_handle = optimizer.register_step_post_hook(self._messages.after_step)
+        self._gradients.attach()
+        self._forward_handle = ddp_model.register_forward_pre_hook(self._messages.before_forward)
+        atexit.register(self._messages.flush_at_exit)  # a script that never calls close(): its last commit
         name_os_threads()  # top -H, ps -L and the benchmark's per-thread account see cm-rx, cm-ctl, ...
         logger.info(
             "checkmate: job %d rank %d/%d%s on %s:%d, ring %s",
@@ -300,46 +268,123 @@ class CheckmateAgent(GradientGuard, CommHook, ShadowMessages):
             return tuple(config.workers)
         return tuple((str(g[1][0]), int(g[1][1])) for g in gathered)
 
+    def _check_random_states(self) -> None:
+        """Collective: the ranks' RandomStates agree (RandomState saves rank 0's); else stop what the
+        agent started and raise CheckmateConfigError."""
+        try:
+            check_same_on_every_rank(self.stateful, self._group)
+        except RandomStateError as exc:
+            self._links.close_now(1.0)  # nothing was registered yet
+            self.ring.close()
+            self.transport.close()
+            if self._metrics is not None:
+                self._metrics.close()
+            raise CheckmateConfigError(str(exc)) from None
+
+    def _after_scaler_update(self) -> None:
+        """A GradScaler's update() (the gradients' interception): a reduced iteration without a step."""
+        self._messages.after_scaler_update()
+
+    # ---- what the agent shows ---------------------------------------------------------
+    @property
+    def config(self) -> CheckmateConfig:
+        """The job's configuration now (rank 0 follows a job file change: its job and shadows)."""
+        return self._links.config
+
+    @property
+    def channel(self) -> ControlChannel | None:
+        """Rank 0's control channel to the shadows (None: another rank, or no shadows)."""
+        return self._links.channel
+
+    @property
+    def names(self) -> Mapping[int, str]:
+        """Parameter id -> its name in the model."""
+        return self._gradients.names
+
+    @property
+    def iteration(self) -> int:
+        """The next all-reduce iteration."""
+        return self._messages.iteration
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken (the resumed job's earlier steps included)."""
+        return self._messages.optimizer_steps
+
+    @property
+    def commits(self) -> list[Commit]:
+        """Commit records made on this rank (rank 0), for inspection."""
+        return self._messages.records
+
     @property
     def protection(self) -> dict[str, Any] | None:
         """Rank 0: whether the shadows protect the job, the lag and why not (hosts.protection); else None."""
-        return self._protection.status() if self._protection is not None and self.rank == 0 else None
+        return self._links.protection_status()
+
+    @property
+    def divergences(self) -> list[dict[str, Any]]:
+        """Rank 0: every divergence a shadow reported (iteration, shadow, tensors that differ)."""
+        return self._links.divergences
+
+    def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """What DDP's registered hook calls per gradient bucket (:class:`hosts.ddp_hook.CommHook`)."""
+        return self._hook.on_bucket(bucket)
+
+    def set_data_position(self, position: Any) -> None:
+        """Record where to resume reading data if iteration t is the last one restored.
+
+        Call it in iteration t *before* ``optimizer.step()`` (a call after the step
+        belongs to iteration t + 1) with the position after t: the data iteration
+        t + 1 starts with, e.g. ``{"epoch": 2, "batch": 118}`` or a sampler's state
+        dict. Rank 0 sends it with iteration t's commit record; the shadows keep it
+        with the state after t, and a restore of that state returns it as
+        ``data_position`` (also stored in their snapshots' ``extra``). For a step
+        that was skipped (a loss-scaler skip) the value set when the next
+        iteration's gradients start to be reduced (or at :meth:`close`) is sent.
+        An iteration without a call keeps the previous iteration's position. Only
+        rank 0's value travels; other ranks may call it too (it is validated and
+        otherwise ignored).
+
+        ``position`` is any JSON value but None, at most 64 KiB as compact JSON
+        (:data:`checkmate.control.MAX_DATA_POSITION_BYTES`), no NaN or infinities; it
+        is copied at once (later changes to the object do not travel), and comes
+        back as JSON gives it back (tuples as lists, dictionary keys as strings).
+        Raises ValueError naming the problem otherwise.
+        """
+        self._messages.set_data_position(position)
+
+    @property
+    def data_position(self) -> Any:
+        """The data position after the last committed iteration (None: never set)."""
+        return self._messages.data_position
+
+    def wait_certified(self, iteration: int, timeout: float) -> bool:
+        """On rank 0: wait (at most ``timeout``) until every shadow has certified ``iteration``.
+
+        Other ranks have no control channel and return True at once. The last step's
+        commit is sent now if the next forward pass has not sent it yet, with the LR
+        schedulers' and GradScalers' state as it is now: call this after
+        ``scheduler.step()`` / ``scaler.update()``.
+        """
+        return self._messages.wait_certified(iteration, timeout)
 
     # ---- teardown -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"transport": self.transport.stats(), "ring": self.ring.stats()}
-        if self.channel is not None:
-            out["control"] = self.channel.stats()
-        if self._protection is not None and self.rank == 0:
-            out["protection"] = self._protection.status()
-        return out
+        return {"transport": self.transport.stats(), "ring": self.ring.stats(), **self._links.stats()}
 
     def close(self, timeout: float = 5.0) -> None:
         """Flush the control channel, drain the transport, stop the threads, restore clip_grad_norm_.
 
         Collective: every rank must call it (it ends with a barrier on the default group).
         """
-        if self._uncommitted is not None:
-            self._commit(self._uncommitted, skipped=True, capture=False)
-        self._flush_commit(final=True)
-        atexit.unregister(self._flush_at_exit)
+        self._messages.finish()
+        atexit.unregister(self._messages.flush_at_exit)
         self._step_handle.remove()
-        self._pre_step_handle.remove()
-        vars(self.optimizer).pop("add_param_group", None)  # the class's method again
         self._forward_handle.remove()
-        ddp_gradients.uninstall(self)
+        self._gradients.detach()
         if self._metrics is not None:
             self._metrics.close()
-        if self.channel is not None:
-            self._final_state_to_rejoining_shadows(self.channel, timeout)
-            self.channel.flush(timeout)
-            # The last iteration's lost copies are repaired from the workers: the other ranks wait in
-            # the barrier below (their rings still answer) until the shadows certified it, or timeout.
-            if self.iteration > self.config.start_iteration and all(
-                link.connected and not link.needs_state for link in self.channel.links
-            ):
-                self.channel.wait_certified(self.iteration - 1, timeout)
-            self.channel.close(timeout)
+        self._links.close(self._messages.iteration, timeout, self._messages.state_messages)
         # Drain while every peer still listens (its last ACKs may need a retransmission), then
         # wait for all ranks before closing sockets. close() is collective, like DDP itself.
         if not self.transport.wait_idle(timeout):

@@ -1,12 +1,18 @@
 """Rank 0's messages to the shadows: the job's start state, commit records, fingerprints, job state.
 
-:class:`ShadowMessages` is the agent's part that talks to the shadows over the control
-channel (:class:`~hosts.control_channel.ControlChannel`). Everything here runs on the
-training thread, from the optimizer's step post-hook (:meth:`_after_step`: commit, follow
-the job file), the model's forward pre-hook (:meth:`_before_forward`: send the last commit
-with its final job state) and the GradScaler's ``update`` (a skipped step), and takes no
-lock of its own: :meth:`ControlChannel.post` queues a message for each link's sender
-thread under the channel's lock. Messages:
+:class:`ShadowMessages` is the DDP agent's component that owns the iteration count and what
+the shadows are told about each iteration: the iteration in progress and the one waiting for
+its commit, the bucket layout sent, the commit waiting for its job state, the job state
+(early and late parts, the last one sent), the data position, the hyperparameters last sent,
+the gradient tags (:class:`~checkmate.auth.GradientDigests`) and the commit records. It runs
+on the training thread, from the optimizer's step post-hook (:meth:`ShadowMessages.after_step`:
+commit, follow the job file), the model's forward pre-hook
+(:meth:`ShadowMessages.before_forward`: send the last commit with its final job state), the
+GradScaler's ``update`` (a skipped step) and the communication hook (an iteration starts, an
+iteration's buckets are all reduced), and takes no lock of its own. It calls the gradients
+(:class:`~hosts.ddp_gradients.GradientGuard`: the multiplications and parameters without a
+gradient), the links (:class:`~hosts.ddp_links.ShadowLinks`: post, seed, protection, the job
+file) and the ring (release the iterations the shadows no longer repair from). Messages:
 
 * :class:`~checkmate.control.JobStart`: parameters, optimizer state and the job
   description, at enable and to every shadow that (re)connects or is added by a job file
@@ -18,10 +24,9 @@ thread under the channel's lock. Messages:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,11 +49,9 @@ from checkmate.job_state import JobState
 from checkmate.job_state import capture as capture_job_state
 from checkmate.job_state import merge as merge_job_states
 from checkmate.optimizers import describe, non_elementwise_state
-from hosts.control_channel import ControlChannel, ControlConfig
-from hosts.ddp_config import CheckmateConfig, CheckmateConfigError, _file_stamp, read_job_file
-from hosts.ddp_gradients import CheckmateStateError
-from hosts.protection import ProtectionWatch
-from hosts.ring_allreduce import RingAllReduce
+from hosts.ddp_config import CheckmateConfig, CheckmateConfigError, _fingerprint_every
+from hosts.ddp_gradients import CheckmateStateError, GradientGuard
+from hosts.ddp_links import ShadowLinks
 from hosts.transport import Addr
 
 logger = logging.getLogger(__name__)
@@ -78,6 +81,22 @@ def _plain(value: Any) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class JobContext:
+    """What :class:`ShadowMessages` needs of its rank, fixed at enable."""
+
+    rank: int
+    workers: tuple[Addr, ...]
+    """Every rank's data address, in ring order."""
+    initial_state: JobState
+    """The job state before the first iteration (captured at enable: a state that cannot travel
+    is refused there)."""
+    data_position: Any
+    """The data position of the first iteration (validated; None: unknown)."""
+    release: Callable[[int], None]
+    """Forget the ring's iterations through the given one (the shadows repair from the rest)."""
+
+
 def hyperparameter_changes(
     optimizer: torch.optim.Optimizer, last: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -95,54 +114,146 @@ def hyperparameter_changes(
 class ShadowMessages:
     """Rank 0's side of the control channel (other ranks keep the counters and send nothing)."""
 
-    model: torch.nn.parallel.DistributedDataParallel
-    optimizer: torch.optim.Optimizer
-    config: CheckmateConfig
-    rank: int
-    names: dict[int, str]
-    workers: tuple[Addr, ...]
-    ring: RingAllReduce
-    channel: ControlChannel | None
-    iteration: int
-    optimizer_steps: int
-    commits: list[Commit]
-    stateful: dict[str, Any]
-    _job_state: tuple[int, JobState] | None
-    _pending_commit: Commit | None
-    _early: tuple[int, JobState] | None
-    _sent_job_state: JobState | None
-    _uncommitted: int | None
-    _layout_sent: list[BucketSpec] | None
-    _no_grad: list[str]
-    _state_checked: bool
-    _fingerprint_every: int
-    _last_hyper: list[dict[str, Any]]
-    _data_position: Any
-    _committed_position: Any
-    _job_file_stamp: tuple[int, int, int] | None
-    _protection: ProtectionWatch | None
-    _posted_through: int | None
-    """The last iteration whose commit was posted to the shadows."""
-    _gradient_digests: GradientDigests | None
-    """CommHook's: the reduced buckets' tags (rank 0 with shadows)."""
-    _gradient_scaling: Callable[[], tuple[float | None, list[dict[str, Any]]]]
-    """GradientGuard's: this iteration's gradient multiplications."""
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        stateful: Mapping[str, Any],
+        job: JobContext,
+        gradients: GradientGuard,
+        links: ShadowLinks,
+    ) -> None:
+        """``job``: what this component needs of the rank (its rank, ring, first iteration and
+        state); ``module``: the model whose parameters the shadows hold (DDP's ``.module``)."""
+        config = links.config
+        self._module = module
+        self._optimizer = optimizer
+        self._stateful = stateful
+        self._rank = job.rank
+        self._workers = job.workers
+        self._release = job.release
+        self._gradients = gradients
+        self._links = links
+        self._start_iteration = config.start_iteration
+        self._keep_iterations = config.keep_iterations
+        self._iteration = config.start_iteration
+        """The next all-reduce iteration."""
+        self._uncommitted: int | None = None
+        """The last all-reduced iteration whose commit is not made yet (its optimizer step pending)."""
+        self._layout_sent: list[BucketSpec] | None = None
+        self._job_state: tuple[int, JobState] | None = (config.start_iteration, job.initial_state)
+        """(i, the job state before iteration i), captured at i's first forward pass."""
+        self._early: tuple[int, JobState] | None = None
+        """(t, iteration t's early job state: buffers, stateful objects stepped before the step)."""
+        self._sent_job_state: JobState | None = None
+        """The job state last sent in a commit or job_start (a commit whose state equals it omits it)."""
+        self._pending_commit: Commit | None = None
+        """Rank 0: the last step's commit, sent at the next forward pass (when the job state is final)."""
+        self._state_checked = False
+        self._fingerprint_every = _fingerprint_every(config.fingerprint_every, module)
+        self._last_hyper: list[dict[str, Any]] = []
+        self._optimizer_steps = config.optimizer_step
+        self._data_position: Any = None
+        """Set by :meth:`set_data_position` since the last commit (None: not set)."""
+        self._committed_position: Any = job.data_position
+        """The data position after the last committed iteration (None: unknown)."""
+        self._records: list[Commit] = []
+        """Commit records made on this rank (rank 0), for inspection."""
+        self._gradient_digests: GradientDigests | None = None
+        """Rank 0 (with shadows): tags of each reduced bucket for the commit (checkmate.auth)."""
+
+    # ---- what the agent shows -----------------------------------------------------------------
+    @property
+    def iteration(self) -> int:
+        """The next all-reduce iteration."""
+        return self._iteration
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken (the job's count: the resumed steps included)."""
+        return self._optimizer_steps
+
+    @property
+    def records(self) -> list[Commit]:
+        """Commit records made on this rank (rank 0), oldest first."""
+        return self._records
+
+    @property
+    def fingerprint_every(self) -> int:
+        """K: rank 0 sends a fingerprint of its state with every K-th commit (0: never)."""
+        return self._fingerprint_every
+
+    @property
+    def data_position(self) -> Any:
+        """The data position after the last committed iteration (None: never set)."""
+        return self._committed_position
+
+    def set_data_position(self, position: Any) -> None:
+        """The position after this iteration (validated: ValueError naming the problem)."""
+        self._data_position = validate_data_position(position)
+
+    # ---- the communication hook's events -------------------------------------------------------
+    def gradient_tags(self) -> GradientDigests | None:
+        """Rank 0 with shadows: where the reduced buckets' tags go (checkmate.auth); else None."""
+        if not self._links.active:
+            return None
+        if self._gradient_digests is None:
+            config = self._links.config
+            if config.secret is None:
+                raise CheckmateConfigError("the agent's configuration carries no job secret")
+            self._gradient_digests = GradientDigests(config.secret, config.job_id)
+        return self._gradient_digests
+
+    def iteration_starts(self) -> None:
+        """The first bucket of an iteration: one all-reduced without an optimizer step was skipped."""
+        if self._uncommitted is not None:
+            self._commit(self._uncommitted, skipped=True, capture=False)
+
+    def iteration_reduced(self, layout: list[BucketSpec]) -> None:
+        """The last bucket of :attr:`iteration` was handed to the ring: tell the shadows a changed
+        layout, and count the iteration (its commit waits for the optimizer step)."""
+        if layout != self._layout_sent:
+            rebuilt = self._layout_sent is not None
+            self._layout_sent = layout
+            if self._links.active:
+                if rebuilt:
+                    # Buckets (and with them parameters) may move between shadows: re-seed every
+                    # shadow with the state before this iteration's step, then the new layout
+                    # (docs/protocol.md, "Bucket layout changes"). The parameters are untouched
+                    # until this iteration's optimizer step, so this is exactly that state.
+                    self._links.post(self._job_start(self._iteration))
+                self._links.post(BucketLayout(self._links.config.job_id, self._iteration, layout))
+        self._uncommitted = self._iteration
+        self._iteration += 1
+
+    # ---- the job start ------------------------------------------------------------------------
+    def start_messages(self) -> list[Message]:
+        """What the shadows get first: the state before the first iteration."""
+        return [self._job_start(self._start_iteration)]
+
+    def state_messages(self) -> list[Message]:
+        """What a new or restarted shadow gets: the state before :attr:`iteration`, then the layout."""
+        messages: list[Message] = [self._job_start(self._iteration)]
+        if self._layout_sent is not None:
+            messages.append(BucketLayout(self._links.config.job_id, self._iteration, self._layout_sent))
+        return messages
 
     def _job_start(self, start_iteration: int) -> JobStart:
-        module = self.model.module
+        config = self._links.config
+        names = self._gradients.names
         tensors: dict[str, torch.Tensor] = {}
         params = []
-        for name, p in module.named_parameters():
+        for name, p in self._module.named_parameters():
             params.append(ParamSpec(name, tuple(p.shape), dtype_name(p.dtype)))
             tensors[f"param/{name}"] = p.detach().to("cpu", copy=True)
-        state = self.optimizer.state_dict()
+        state = self._optimizer.state_dict()
         index_to_name: dict[int, str] = {}
         groups = []
-        for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
+        for group, saved in zip(self._optimizer.param_groups, state["param_groups"], strict=True):
             for p, index in zip(group["params"], saved["params"], strict=True):
-                index_to_name[index] = self.names[id(p)]
+                index_to_name[index] = names[id(p)]
             hyper = {k: _plain(v) for k, v in group.items() if k != "params"}
-            hyper["params"] = [self.names[id(p)] for p in group["params"]]
+            hyper["params"] = [names[id(p)] for p in group["params"]]
             groups.append(hyper)
         scalars: dict[str, dict[str, Any]] = {}
         for index, per_param in state["state"].items():
@@ -154,15 +265,15 @@ class ShadowMessages:
                     scalars.setdefault(name, {})[key] = value
         self._last_hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         start = JobStart(
-            job_id=self.config.job_id,
-            world_size=self.config.world_size,
-            workers=list(self.workers),
+            job_id=config.job_id,
+            world_size=config.world_size,
+            workers=list(self._workers),
             parameters=params,
-            optimizer={**describe(self.optimizer), "param_groups": groups},
+            optimizer={**describe(self._optimizer), "param_groups": groups},
             start_iteration=start_iteration,
             tensors=tensors,
             optimizer_scalars=scalars,
-            job=self._job_description(),
+            job=job_description(config, self._workers),
             extra={
                 **({} if self._committed_position is None else {"data_position": self._committed_position}),
                 # the shadows certify only iterations a fingerprint verified while this is > 0
@@ -179,28 +290,27 @@ class ShadowMessages:
     # LR schedulers and GradScalers, which step after the optimizer, and the param groups they
     # change - is final at the next forward pass (or wait_certified/close): the commit goes then.
     def _late(self, name: str) -> bool:
-        return isinstance(self.stateful[name], LATE_STATEFUL)
-
-    def _capture_job_state(self) -> JobState:
-        return capture_job_state(self.model.module, self.stateful, self.optimizer)
+        return isinstance(self._stateful[name], LATE_STATEFUL)
 
     def _capture_early(self) -> JobState:
-        early = {n: obj for n, obj in self.stateful.items() if not self._late(n)}
-        return capture_job_state(self.model.module, early)
+        early = {n: obj for n, obj in self._stateful.items() if not self._late(n)}
+        return capture_job_state(self._module, early)
 
     def _job_state_before(self, iteration: int) -> JobState:
         """The job state before ``iteration``: iteration - 1's early part with the late part now."""
         if self._job_state is None or self._job_state[0] != iteration:
             early = self._early[1] if self._early is not None and self._early[0] == iteration - 1 else None
-            late = {n: obj for n, obj in self.stateful.items() if self._late(n)}
+            late = {n: obj for n, obj in self._stateful.items() if self._late(n)}
             if early is None:
-                state = self._capture_job_state()
+                state = capture_job_state(self._module, self._stateful, self._optimizer)
             else:
-                state = merge_job_states(early, capture_job_state(None, late, self.optimizer), self.stateful)
+                late_state = capture_job_state(None, late, self._optimizer)
+                state = merge_job_states(early, late_state, self._stateful)
             self._job_state = (iteration, state)
         return self._job_state[1]
 
-    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+    # ---- the hooks ----------------------------------------------------------------------------
+    def before_forward(self, module: torch.nn.Module, args: Any) -> None:
         """Forward pre-hook: the previous iteration is over; send its commit with its job state.
 
         Only forward passes with gradients enabled count (not evaluation under
@@ -212,77 +322,34 @@ class ShadowMessages:
         """
         if not torch.is_grad_enabled():
             return
-        if self._protection is not None:  # every rank: a published unprotected verdict raises here
-            self._protection.before_forward(self.iteration)
-        if self.channel is None:
+        self._links.before_forward(self._iteration)  # every rank: a published unprotected verdict raises
+        if not self._links.active:
             return
         if self._uncommitted is not None and (self._early is None or self._early[0] != self._uncommitted):
             self._early = (self._uncommitted, self._capture_early())
         self._flush_commit()
         self._seed_new_shadows()
-        if self._protection is not None and self._posted_through is not None:
-            # bounded lag: wait here for the shadows (backpressure) and judge whether they protect the job
-            self._protection.after_commit(self.channel, self._posted_through, self._seed_new_shadows)
+        # bounded lag: wait here for the shadows (backpressure) and judge whether they protect the job
+        self._links.after_commit(self._seed_new_shadows)
 
-    def _flush_at_exit(self) -> None:
-        """At interpreter exit without :meth:`close`: send the last step's commit (best effort, 5 s)."""
-        if self.channel is None or self._pending_commit is None:
+    def flush_at_exit(self) -> None:
+        """At interpreter exit without close: send the last step's commit (best effort, 5 s)."""
+        if not self._links.active or self._pending_commit is None:
             return
         try:
             self._flush_commit(final=True)
-            self.channel.flush(5.0)
+            self._links.flush(5.0)
         except Exception as exc:  # noqa: BLE001 - exiting anyway; say why the last commit may be missing
             logger.warning("checkmate: could not send the last commit at exit: %s", exc)
 
-    def _after_scaler_update(self) -> None:
+    def after_scaler_update(self) -> None:
         """A GradScaler's update(): an all-reduced iteration without an optimizer step was skipped."""
         if self._uncommitted is not None:
             self._commit(self._uncommitted, skipped=True)
 
-    def _flush_commit(self, final: bool = False) -> None:
-        """Send the pending commit with the job state after its iteration, then state for new shadows.
-
-        ``final`` (wait_certified, close): the commit carries a fingerprint even between two
-        K-th iterations, so the shadows can verify, and certify, the iteration waited for.
-        """
-        commit, self._pending_commit = self._pending_commit, None
-        if commit is None or self.channel is None:
-            return
-        if final and commit.fingerprint is None and self._fingerprint_every > 0:
-            commit.fingerprint = state_fingerprint(
-                self.model.module.named_parameters(), self.optimizer.state, checksum_cache_for(self.optimizer)
-            )
-        state = self._job_state_before(commit.iteration + 1)
-        if not state.equals(self._sent_job_state):  # unchanged: absent on the wire
-            commit.job_state = self._sent_job_state = state
-        self.channel.post(commit)
-        self._posted_through = commit.iteration
-        self._seed_new_shadows()
-
-    def _seed_new_shadows(self) -> None:
-        """Links that need state (new or reconnected shadows) get the state before :attr:`iteration`."""
-        if self.channel is not None and self.channel.needs_state():
-            self.channel.post_state(lambda: self._state_messages(self.iteration))
-
-    def _job_description(self) -> dict[str, Any] | None:
-        """The JobSpec, or without one the implicit shard map: shard key k -> k-th shadow listed."""
-        if self.config.job is not None:
-            return self.config.job.to_json()
-        if not self.config.shadow_control:
-            return None
-        names = list(self.config.shadow_control)
-        description: dict[str, Any] = {
-            "job_id": self.config.job_id,
-            "workers": [f"{h}:{p}" for h, p in self.workers],
-            "shadows": names,
-            "shard_to_shadow": {str(k): name for k, name in enumerate(names)},
-        }
-        if self.config.tp_degree > 1:  # which TP shard this lane's copies carry
-            description.update(tp_degree=self.config.tp_degree, tp_index=self.config.tp_index)
-        return description
-
-    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.optimizer_steps += 1
+    def after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Step post-hook: commit the all-reduced iteration; rank 0 follows the job file."""
+        self._optimizer_steps += 1
         if not self._state_checked:  # the optimizer's state exists from its first step on
             self._state_checked = True
             problem = non_elementwise_state(optimizer)
@@ -296,125 +363,94 @@ class ShadowMessages:
             return
         iteration = self._uncommitted
         self._commit(iteration, skipped=False)
-        if self.rank == 0:
+        if self._rank == 0:
             self._follow_job_file()
-        self.ring.release_through(iteration - self.config.keep_iterations)
+        self._release(iteration - self._keep_iterations)
+
+    def finish(self) -> None:
+        """At close: commit an iteration left without its step (skipped) and send the last commit."""
+        if self._uncommitted is not None:
+            self._commit(self._uncommitted, skipped=True, capture=False)
+        self._flush_commit(final=True)
+
+    def wait_certified(self, iteration: int, timeout: float) -> bool:
+        """Rank 0: send the last step's commit now, then wait until every shadow certified ``iteration``."""
+        if not self._links.active:
+            return True
+        self._flush_commit(final=True)
+        return self._links.wait_certified(iteration, timeout, self._seed_new_shadows)
+
+    # ---- commits ------------------------------------------------------------------------------
+    def _flush_commit(self, final: bool = False) -> None:
+        """Send the pending commit with the job state after its iteration, then state for new shadows.
+
+        ``final`` (wait_certified, close): the commit carries a fingerprint even between two
+        K-th iterations, so the shadows can verify, and certify, the iteration waited for.
+        """
+        commit, self._pending_commit = self._pending_commit, None
+        if commit is None or not self._links.active:
+            return
+        if final and commit.fingerprint is None and self._fingerprint_every > 0:
+            commit.fingerprint = state_fingerprint(
+                self._module.named_parameters(), self._optimizer.state, checksum_cache_for(self._optimizer)
+            )
+        state = self._job_state_before(commit.iteration + 1)
+        if not state.equals(self._sent_job_state):  # unchanged: absent on the wire
+            commit.job_state = self._sent_job_state = state
+        self._links.post_commit(commit)
+        self._seed_new_shadows()
+
+    def _seed_new_shadows(self) -> None:
+        """Links that need state (new or reconnected shadows) get the state before :attr:`iteration`."""
+        self._links.seed_new_shadows(self.state_messages)
 
     def _follow_job_file(self) -> None:
         """Rank 0, after each step: if the job file changed, follow its shadows (a live shadow move)."""
-        path = self.config.job_file
-        stamp = _file_stamp(path)
-        if path is None or stamp is None or stamp == self._job_file_stamp:
-            return
-        self._job_file_stamp = stamp
-        try:
-            job, workers, shadows = read_job_file(path)
-        except CheckmateConfigError as exc:
-            logger.warning("checkmate: %s; keeping the current shadows", exc)
-            return
-        if job.job_id != self.config.job_id or workers != self.workers:
-            logger.warning(
-                "checkmate: %s now names job %d with workers %s; a new job or other workers need a "
-                "restart: keeping job %d's shadows",
-                path,
-                job.job_id,
-                [f"{h}:{p}" for h, p in workers],
-                self.config.job_id,
-            )
-            return
-        if job == self.config.job and shadows == dict(self.config.shadow_control):
-            return
-        self.config = dataclasses.replace(self.config, job=job, shadow_control=shadows)
-        if self.channel is None:
-            if shadows:
-                self.channel = ControlChannel(
-                    self.config.job_id,
-                    shadows,
-                    ControlConfig(connect_timeout=self.config.shadow_connect_timeout),
-                    secret=self.config.secret,
-                )
-                self.channel.wait_connected(self.config.shadow_connect_timeout)
-        else:
-            # The shadows leaving get the last step's commit now (its schedulers' state as it is);
-            # the new ones get the state before the next iteration at its forward pass.
-            pending, self._pending_commit = self._pending_commit, None
-            if pending is not None:
-                pending.job_state = self._job_state_before(pending.iteration + 1)
-                self._sent_job_state = pending.job_state
-                self._job_state = None  # taken early: the new shadows' state is taken again
-                self.channel.post(pending)
-            added, removed = self.channel.set_shadows(shadows)
-            # Like at start: give new shadows a moment to connect, so they get this step's state.
-            self.channel.wait_connected(self.config.shadow_connect_timeout, names=added)
-            logger.info(
-                "checkmate: %s changed: shadows now %s (new: %s, left: %s); new ones get the state "
-                "after the next step",
-                path,
-                sorted(shadows),
-                added or "none",
-                removed or "none",
-            )
+        change = self._links.job_file_change(self._workers)
+        if change is not None:
+            self._links.follow(change, self._post_pending_before_move)
 
-    def _final_state_to_rejoining_shadows(self, channel: ControlChannel, timeout: float) -> None:
-        """At close: a shadow whose link is down or waiting for state (it restarted) gets the final state.
-
-        During training a restarted shadow is re-seeded after the next optimizer step;
-        one that comes back during the last steps would otherwise end without the
-        job's final state. Waits at most ``timeout`` for such a link to connect.
-        """
-        if all(link.connected and not link.needs_state for link in channel.links):
-            return
-        channel.wait_connected(timeout)
-        if channel.post_state(lambda: self._state_messages(self.iteration)):
-            logger.info(
-                "checkmate: gave the final state (after iteration %d) to a rejoining shadow",
-                self.iteration - 1,
-            )
-        missing = [link.name for link in channel.links if not link.connected]
-        if missing:
-            logger.warning(
-                "checkmate: shadows %s unreachable at close: they do not hold the state after iteration %d",
-                ", ".join(missing),
-                self.iteration - 1,
-            )
-
-    def _state_messages(self, start_iteration: int) -> list[Message]:
-        messages: list[Message] = [self._job_start(start_iteration)]
-        if self._layout_sent is not None:
-            messages.append(BucketLayout(self.config.job_id, start_iteration, self._layout_sent))
-        return messages
+    def _post_pending_before_move(self) -> None:
+        """The shadows leaving get the last step's commit now (its schedulers' state as it is);
+        the new ones get the state before the next iteration at its forward pass."""
+        pending, self._pending_commit = self._pending_commit, None
+        if pending is not None:
+            pending.job_state = self._job_state_before(pending.iteration + 1)
+            self._sent_job_state = pending.job_state
+            self._job_state = None  # taken early: the new shadows' state is taken again
+            self._links.post(pending)
 
     def _commit(self, iteration: int, skipped: bool, capture: bool = True) -> None:
         """Commit ``iteration``; ``capture``: its early job state is final now (else taken earlier)."""
         self._flush_commit()
         self._uncommitted = None
-        if self.rank == 0 and self.channel is not None:
+        if self._rank == 0 and self._links.active:
             if capture or self._early is None or self._early[0] != iteration:
                 self._early = (iteration, self._capture_early())
-        coefficient, scaling = self._gradient_scaling()
-        no_grad, self._no_grad = self._no_grad, []
+        coefficient, scaling = self._gradients.take_scaling()
+        no_grad = self._gradients.take_no_grad()
         position, self._data_position = self._data_position, None
         if position is not None:
             self._committed_position = position
-        if self.rank != 0:
+        if self._rank != 0:
             return
-        changed = hyperparameter_changes(self.optimizer, self._last_hyper)
+        changed = hyperparameter_changes(self._optimizer, self._last_hyper)
         commit = Commit(
-            job_id=self.config.job_id,
+            job_id=self._links.config.job_id,
             iteration=iteration,
-            learning_rates=[float(_plain(g["lr"])) for g in self.optimizer.param_groups],
+            learning_rates=[float(_plain(g["lr"])) for g in self._optimizer.param_groups],
             clip_coefficient=None if skipped else coefficient,
             skip_step=skipped,
             hyperparameters=changed if any(changed) else [],
-            optimizer_step=self.optimizer_steps,
+            optimizer_step=self._optimizer_steps,
             data_position=position,
             no_grad=[] if skipped else no_grad,
             gradient_scaling=[] if skipped else scaling,
             fingerprint=self._fingerprint(iteration),
             gradient_digests=self._gradient_digests.take(iteration) if self._gradient_digests else None,
         )
-        self.commits.append(commit)
-        if self.channel is not None:
+        self._records.append(commit)
+        if self._links.active:
             # Sent with the job state after the iteration at the next forward pass, wait_certified
             # or close, when the schedulers and scalers have stepped.
             self._pending_commit = commit
@@ -422,60 +458,25 @@ class ShadowMessages:
     def _fingerprint(self, iteration: int) -> dict[str, dict[str, Any]] | None:
         """Rank 0's state after ``iteration`` (every K-th iteration), for the shadows to compare."""
         every = self._fingerprint_every
-        if self.channel is None or every <= 0 or (iteration + 1) % every:
+        if not self._links.active or every <= 0 or (iteration + 1) % every:
             return None
-        named = self.model.module.named_parameters()
-        return state_fingerprint(named, self.optimizer.state, checksum_cache_for(self.optimizer))
+        named = self._module.named_parameters()
+        return state_fingerprint(named, self._optimizer.state, checksum_cache_for(self._optimizer))
 
-    @property
-    def divergences(self) -> list[dict[str, Any]]:
-        """Rank 0: every divergence a shadow reported (iteration, shadow, tensors that differ)."""
-        return list(self.channel.divergences) if self.channel is not None else []
 
-    def set_data_position(self, position: Any) -> None:
-        """Record where to resume reading data if iteration t is the last one restored.
-
-        Call it in iteration t *before* ``optimizer.step()`` (a call after the step
-        belongs to iteration t + 1) with the position after t: the data iteration
-        t + 1 starts with, e.g. ``{"epoch": 2, "batch": 118}`` or a sampler's state
-        dict. Rank 0 sends it with iteration t's commit record; the shadows keep it
-        with the state after t, and a restore of that state returns it as
-        ``data_position`` (also stored in their snapshots' ``extra``). For a step
-        that was skipped (a loss-scaler skip) the value set when the next
-        iteration's gradients start to be reduced (or at :meth:`close`) is sent.
-        An iteration without a call keeps the previous iteration's position. Only
-        rank 0's value travels; other ranks may call it too (it is validated and
-        otherwise ignored).
-
-        ``position`` is any JSON value but None, at most 64 KiB as compact JSON
-        (:data:`checkmate.control.MAX_DATA_POSITION_BYTES`), no NaN or infinities; it
-        is copied at once (later changes to the object do not travel), and comes
-        back as JSON gives it back (tuples as lists, dictionary keys as strings).
-        Raises ValueError naming the problem otherwise.
-        """
-        self._data_position = validate_data_position(position)
-
-    @property
-    def data_position(self) -> Any:
-        """The data position after the last committed iteration (None: never set)."""
-        return self._committed_position
-
-    def wait_certified(self, iteration: int, timeout: float) -> bool:
-        """On rank 0: wait (at most ``timeout``) until every shadow has certified ``iteration``.
-
-        Other ranks have no control channel and return True at once. The last step's
-        commit is sent now if the next forward pass has not sent it yet, with the LR
-        schedulers' and GradScalers' state as it is now: call this after
-        ``scheduler.step()`` / ``scaler.update()``.
-        """
-        if self.channel is None:
-            return True
-        self._flush_commit(final=True)
-        deadline = time.monotonic() + timeout
-        while not self.channel.wait_certified(iteration, min(0.05, max(0.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                return False
-            # A shadow that diverged (or restarted) meanwhile asks for state: no forward pass will
-            # come to send it, so it gets the state after the last step now.
-            self._seed_new_shadows()
-        return True
+def job_description(config: CheckmateConfig, workers: Sequence[Addr]) -> dict[str, Any] | None:
+    """The JobSpec, or without one the implicit shard map: shard key k -> k-th shadow listed."""
+    if config.job is not None:
+        return config.job.to_json()
+    if not config.shadow_control:
+        return None
+    names = list(config.shadow_control)
+    description: dict[str, Any] = {
+        "job_id": config.job_id,
+        "workers": [f"{h}:{p}" for h, p in workers],
+        "shadows": names,
+        "shard_to_shadow": {str(k): name for k, name in enumerate(names)},
+    }
+    if config.tp_degree > 1:  # which TP shard this lane's copies carry
+        description.update(tp_degree=config.tp_degree, tp_index=config.tp_index)
+    return description

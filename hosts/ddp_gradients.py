@@ -7,16 +7,20 @@ scale are recorded for the commit, in order, and a ``GradScaler.update`` after a
 all-reduce without an optimizer step commits that iteration as skipped. The recorders run
 on the thread that calls clipping / unscaling / ``update`` (the training loop).
 
-:class:`GradientGuard` is the agent's part that keeps those records and, in the step
-pre-hook (training thread, no lock), refuses what the shadows cannot follow: a closure,
-a param group added, a model parameter replaced (:class:`CheckmateStateError`).
+:class:`GradientGuard` is the agents' component that owns those records (the DDP agent's and
+the FSDP2 agent's): it registers itself with the interceptions (:meth:`GradientGuard.attach`),
+keeps the multiplications and the parameters without a gradient until the commit takes them
+(:meth:`~GradientGuard.take_scaling`, :meth:`~GradientGuard.take_no_grad`) and, in the step
+pre-hook (training thread, no lock), refuses what the shadows cannot follow: a closure, a
+param group added, a model parameter replaced (:class:`CheckmateStateError`). A GradScaler
+``update`` is handed to the callback its agent gave (the commits' skipped step).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -25,18 +29,6 @@ from checkmate.control import dtype_name
 
 class CheckmateStateError(RuntimeError):
     """The model or optimizer changed in a way the shadows cannot follow (raised where it happens)."""
-
-
-class _Recorder(Protocol):
-    """What the interceptions call on each live agent."""
-
-    optimizer: torch.optim.Optimizer
-
-    def _record_scaling(
-        self, by: str, factor: torch.Tensor, parameter_ids: frozenset[int] | None
-    ) -> None: ...
-
-    def _after_scaler_update(self) -> None: ...
 
 
 # ---- gradient transformations: clipping and GradScaler's unscaling -----------------------
@@ -49,11 +41,11 @@ class _Recorder(Protocol):
 _ORIGINAL_CLIP = torch.nn.utils.clip_grad.clip_grad_norm_
 _ORIGINAL_CLIP_WITH_NORM = torch.nn.utils.clip_grad._clip_grads_with_norm_
 _ORIGINAL_UNSCALE = torch.amp.grad_scaler.GradScaler._unscale_grads_
-_AGENTS: list[_Recorder] = []
+_AGENTS: list[GradientGuard] = []
 _AGENTS_LOCK = threading.Lock()
 
 
-def _live_agents() -> list[_Recorder]:
+def _live_agents() -> list[GradientGuard]:
     with _AGENTS_LOCK:
         return list(_AGENTS)
 
@@ -72,7 +64,7 @@ def _recording_clip_grads_with_norm_(
         coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)  # as torch computes it
         ids = frozenset(id(p) for p in params if p.grad is not None)
         for agent in _live_agents():
-            agent._record_scaling("clip", coefficient, ids)
+            agent.record_scaling("clip", coefficient, ids)
 
 
 def _recording_unscale_grads_(
@@ -86,8 +78,8 @@ def _recording_unscale_grads_(
     result = _ORIGINAL_UNSCALE(scaler, optimizer, inv_scale, found_inf, allow_fp16)
     if float(inv_scale) != 1.0:  # 1.0: the inf check without unscaling (x * 1 == x)
         for agent in _live_agents():
-            if agent.optimizer is optimizer:
-                agent._record_scaling("unscale", inv_scale, None)
+            if agent.guards(optimizer):
+                agent.record_scaling("unscale", inv_scale, None)
     return result
 
 
@@ -126,13 +118,11 @@ _ORIGINAL_SCALER_UPDATE = torch.amp.grad_scaler.GradScaler.update
 def _update_and_commit_skips(scaler: torch.amp.GradScaler, new_scale: Any = None) -> None:
     """GradScaler.update, then: an iteration all-reduced without an optimizer step was skipped."""
     _ORIGINAL_SCALER_UPDATE(scaler, new_scale)
-    with _AGENTS_LOCK:
-        agents = list(_AGENTS)
-    for agent in agents:
-        agent._after_scaler_update()
+    for agent in _live_agents():
+        agent.scaler_updated()
 
 
-def install(agent: _Recorder) -> None:
+def install(agent: GradientGuard) -> None:
     """Register a live agent; the first one routes clipping, unscaling and scaler updates through here."""
     with _AGENTS_LOCK:
         _AGENTS.append(agent)
@@ -140,7 +130,7 @@ def install(agent: _Recorder) -> None:
         torch.amp.grad_scaler.GradScaler.update = _update_and_commit_skips  # type: ignore[method-assign,assignment]
 
 
-def uninstall(agent: _Recorder) -> None:
+def uninstall(agent: GradientGuard) -> None:
     """Forget an agent; the last one gives torch its own clipping, unscaling and update back."""
     with _AGENTS_LOCK:
         if agent in _AGENTS:
@@ -151,18 +141,68 @@ def uninstall(agent: _Recorder) -> None:
 
 
 class GradientGuard:
-    """The agent's records of gradient multiplications and its step pre-hook checks."""
+    """One agent's gradient records (multiplications, parameters without a gradient) and step checks.
 
-    optimizer: torch.optim.Optimizer
-    model: torch.nn.parallel.DistributedDataParallel
-    rank: int
-    names: dict[int, str]
-    _param_ids: set[int]
-    _scaling: list[tuple[str, float, torch.dtype, frozenset[int] | None]]
-    _no_grad: list[str]
-    _structure: tuple[Any, ...]
+    Owns its records and the optimizer's step pre-hook; training thread, no lock of its own
+    (the interceptions' registry is under ``_AGENTS_LOCK``).
+    """
 
-    def _record_scaling(self, by: str, factor: torch.Tensor, parameter_ids: frozenset[int] | None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        rank: int,
+        on_scaler_update: Callable[[], None],
+    ) -> None:
+        """``module``: the model whose parameters the shadows hold (DDP's ``.module``, the FSDP2
+        model); ``on_scaler_update``: what a GradScaler ``update`` does for this agent."""
+        self._module = module
+        self._optimizer = optimizer
+        self._rank = rank
+        self._on_scaler_update = on_scaler_update
+        self._names: dict[int, str] = {id(p): n for n, p in module.named_parameters()}
+        self._param_ids = frozenset(self._names)
+        self._scaling: list[tuple[str, float, torch.dtype, frozenset[int] | None]] = []
+        """Gradient multiplications (unscale, clip) since the last commit, in order."""
+        self._no_grad: list[str] = []
+        """Rank 0: the optimizer's parameters without a gradient at this iteration's step."""
+        self._structure: tuple[Any, ...] = self._structure_now()
+        self._pre_step_handle: Any = None
+        self._refusing_add_param_group = False
+
+    @property
+    def names(self) -> Mapping[int, str]:
+        """Parameter ``id`` -> its name in the model, as at enable."""
+        return self._names
+
+    def guards(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` is this agent's."""
+        return optimizer is self._optimizer
+
+    # ---- life: the step pre-hook, add_param_group and the interceptions ----------------------
+    def attach(self, refuse_add_param_group: bool = True) -> None:
+        """Note the structure the shadows are told, hook the step, intercept; ``refuse_add_param_group``:
+        ``optimizer.add_param_group`` raises at once (else the step's check finds the new group)."""
+        self._structure = self._structure_now()
+        self._pre_step_handle = self._optimizer.register_step_pre_hook(self._before_step)
+        if refuse_add_param_group:
+            self._guard_add_param_group()
+            self._refusing_add_param_group = True
+        install(self)
+
+    def detach(self) -> None:
+        """Undo :meth:`attach` (the optimizer's own add_param_group again; torch's own helpers once
+        no agent is left)."""
+        if self._pre_step_handle is not None:
+            self._pre_step_handle.remove()
+            self._pre_step_handle = None
+        if self._refusing_add_param_group:
+            vars(self._optimizer).pop("add_param_group", None)  # the class's method again
+            self._refusing_add_param_group = False
+        uninstall(self)
+
+    # ---- what the interceptions call -------------------------------------------------------
+    def record_scaling(self, by: str, factor: torch.Tensor, parameter_ids: frozenset[int] | None) -> None:
         """A multiplication of (some of) this job's gradients since the last commit, in order."""
         if parameter_ids is not None:
             parameter_ids = parameter_ids & self._param_ids
@@ -172,16 +212,47 @@ class GradientGuard:
                 parameter_ids = None
         self._scaling.append((by, float(factor.detach().to("cpu")), factor.dtype, parameter_ids))
 
+    def scaler_updated(self) -> None:
+        """A GradScaler's ``update()`` ran: the agent's callback (a skipped step, if one was reduced)."""
+        self._on_scaler_update()
+
+    # ---- what the commit takes -------------------------------------------------------------
+    def take_no_grad(self) -> list[str]:
+        """Rank 0: the parameters without a gradient at the last step (the record is emptied)."""
+        no_grad, self._no_grad = self._no_grad, []
+        return no_grad
+
+    def take_scaling(self) -> tuple[float | None, list[dict[str, Any]]]:
+        """This iteration's gradient multiplications as (legacy clip_coefficient, gradient_scaling)."""
+        records, self._scaling = self._scaling, []
+        if not records:
+            return None, []
+        if (
+            len(records) == 1
+            and records[0][0] == "clip"
+            and records[0][2] is torch.float32
+            and records[0][3] is None
+        ):
+            return records[0][1], []  # the common case reads as before
+        out = []
+        for by, factor, dtype, ids in records:
+            entry: dict[str, Any] = {"by": by, "factor": factor, "dtype": dtype_name(dtype)}
+            if ids is not None:
+                entry["params"] = sorted(self._names[i] for i in ids)
+            out.append(entry)
+        return None, out
+
+    # ---- the step pre-hook's checks ----------------------------------------------------------
     def _structure_now(self) -> tuple[Any, ...]:
         """What the shadows were told at enable: param groups' members, the model's parameters."""
-        groups = tuple(tuple(id(p) for p in g["params"]) for g in self.optimizer.param_groups)
-        params = tuple((n, id(p), tuple(p.shape), p.dtype) for n, p in self.model.module.named_parameters())
+        groups = tuple(tuple(id(p) for p in g["params"]) for g in self._optimizer.param_groups)
+        params = tuple((n, id(p), tuple(p.shape), p.dtype) for n, p in self._module.named_parameters())
         return groups, params
 
     def _structure_error(self) -> str | None:
         groups, params = self._structure_now()
         old_groups, old_params = self._structure
-        kind = type(self.optimizer).__name__
+        kind = type(self._optimizer).__name__
         if len(groups) != len(old_groups):
             return (
                 f"{kind} now has {len(groups)} param groups, {len(old_groups)} when checkmate was enabled "
@@ -204,7 +275,7 @@ class GradientGuard:
         return None
 
     def _guard_add_param_group(self) -> None:
-        optimizer = self.optimizer
+        optimizer = self._optimizer
 
         def add_param_group(param_group: dict[str, Any]) -> None:
             raise CheckmateStateError(
@@ -229,30 +300,10 @@ class GradientGuard:
                 f"checkmate: {problem}; the shadows cannot follow a changed model or optimizer mid-run: "
                 "restart the job from its last certified checkpoint (which is intact)"
             )
-        if self.rank == 0:
+        if self._rank == 0:
             self._no_grad = [
-                self.names[id(p)]
+                self._names[id(p)]
                 for g in optimizer.param_groups
                 for p in g["params"]
-                if p.grad is None and id(p) in self.names
+                if p.grad is None and id(p) in self._names
             ]
-
-    def _gradient_scaling(self) -> tuple[float | None, list[dict[str, Any]]]:
-        """This iteration's gradient multiplications as (legacy clip_coefficient, gradient_scaling)."""
-        records, self._scaling = self._scaling, []
-        if not records:
-            return None, []
-        if (
-            len(records) == 1
-            and records[0][0] == "clip"
-            and records[0][2] is torch.float32
-            and records[0][3] is None
-        ):
-            return records[0][1], []  # the common case reads as before
-        out = []
-        for by, factor, dtype, ids in records:
-            entry: dict[str, Any] = {"by": by, "factor": factor, "dtype": dtype_name(dtype)}
-            if ids is not None:
-                entry["params"] = sorted(self.names[i] for i in ids)
-            out.append(entry)
-        return None, out
