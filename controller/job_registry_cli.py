@@ -57,6 +57,17 @@ def lane_line(spec: JobSpec, registered: Collection[int]) -> str:
     )
 
 
+def sizing_line(spec: JobSpec) -> str:
+    """One line on a job's sizing fields (``job add --parallelism/--model-params/...``)."""
+    parts = [spec.parallelism]
+    if spec.model_params is not None:
+        parts.append(
+            f"{spec.model_params:,} parameters, {spec.optimizer}, {spec.grad_dtype or 'fp32'} gradients, "
+            f"{spec.shadow_memory_gib:g} GiB per shadow"
+        )
+    return "sized: " + ", ".join(parts)
+
+
 def record_summary(record: JobRecord, registered: Collection[int] = ()) -> dict[str, Any]:
     """What ``job list --json`` prints for one job."""
     switches = sorted({s for (s, _, _) in record.groups} | {s for (s, _) in record.rids})
@@ -95,6 +106,8 @@ def list_jobs(state_dir: Path, as_json: bool) -> str:
         )
         if spec.tp_degree > 1:
             lines.append("  " + lane_line(spec, {r.spec.job_id for r in records}))
+        if spec.sizing_fields():
+            lines.append("  " + sizing_line(spec))
     groups = sum(len(r.groups) for r in records)
     rids = sum(len(r.rids) for r in records)
     lines.append(f"{len(records)} job(s) registered: {groups} multicast group(s), {rids} shadow rewrite(s)")

@@ -32,6 +32,8 @@ def test_sized_jobs_added_or_refused_per_shadow(
     listing = ctl("job", "list", "--json")
     stored = json.loads(listing)["jobs"][0]["job"]
     assert stored["parallelism"] == "fsdp2" and stored["model_params"] == 1_000_000_000
+    text = ctl("job", "list")
+    assert "  sized: fsdp2, 1,000,000,000 parameters, adamw, fp32 gradients, 32 GiB per shadow" in text
 
     def refused(*argv: str, message: str, status: int = 1) -> str:
         err = ctl(*argv, status=status)
