@@ -28,7 +28,10 @@ process on one core owning whole buckets (bucket b -> shard b mod K) and may spe
 reassembly and snapshots); a shadow host has ``--shadow-cores-per-host`` cores,
 ``--shadow-memory-gib`` of memory and one link of ``--link-gbps``; every worker is
 attached to a leaf switch holding ``--workers-per-switch`` workers, which replicates
-its workers' tagged datagrams.
+its workers' tagged datagrams. ``--parallelism fsdp2`` makes the buckets the job's
+``--fsdp-modules`` (one reduce-scatter each, run on the same ring, the hop to each shard's
+owner tagged) and adds its untagged parameter all-gathers to the switch's traffic; the
+shadows hold the full state for every parallelism (docs/capacity.md, "Sharded jobs").
 
 Three modules: :mod:`controller.capacity_inputs` (the figures above and where each comes
 from), this one (:class:`PlanRequest` and :func:`plan`, the arithmetic), and
