@@ -46,6 +46,11 @@ NOT_ELEMENTWISE = frozenset({"torch.optim.Adafactor", "torch.optim._adafactor.Ad
 factored ``row_var``/``col_var``): the layout-free checkpoint stores optimizer state element by
 element (docs/checkpoint-format.md), so a checkpoint of them could not be restored."""
 
+SHARDED_STATE = frozenset({"torch.distributed.optim.zero_redundancy_optimizer.ZeroRedundancyOptimizer"})
+"""Optimizers that keep each rank's share of the state on that rank only (ZeRO-1): rank 0 holds
+neither the full state the shadows start from nor what its fingerprint must cover, so such a job
+is refused (on every rank, before any collective) rather than left unprotected or hanging."""
+
 
 class OptimizerReplayError(ValueError):
     """An optimizer (or an option of it) the shadows cannot reproduce exactly."""
@@ -98,6 +103,15 @@ def check_class(cls: type[torch.optim.Optimizer]) -> None:
         raise OptimizerReplayError(
             f"optimizer {name}: its step() needs a closure (it re-evaluates the loss), which a shadow "
             "cannot run"
+        )
+    if name in SHARDED_STATE:
+        inner = getattr(cls, "__name__", name)
+        raise OptimizerReplayError(
+            f"optimizer {name} (ZeRO-1) keeps each rank's share of the optimizer state on that rank "
+            "only: rank 0 cannot send the shadows the full state or its fingerprint, so Checkmate does "
+            f"not protect a {inner} job. Use the optimizer it wraps directly under DDP (the shadows "
+            "hold the full optimizer state for the job, in the network, so the workers need not), "
+            "or shard with FSDP2 and hosts.enable_checkmate_fsdp (docs/backend.md)"
         )
     if name in SPARSE_ONLY:
         raise OptimizerReplayError(
