@@ -394,12 +394,13 @@ class Snapshotter:
             self._disk.failing = None
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until held snapshots are on disk; False on timeout."""
+        """Wait until held snapshots are on disk; False on timeout, or at once when the last write failed
+        and the writer waits out its back-off (the storage is failing: waiting would not help)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while self._held or self._writing:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or (not self._writing and self.stats.failures_in_a_row):
                     return False
                 self._cond.wait(min(left, 0.05))
         return True

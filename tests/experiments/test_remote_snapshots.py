@@ -210,10 +210,15 @@ def test_a_full_export_fails_the_write_and_latest_stays_on_the_whole_step(
         assert fmt.read_latest(on_disk) == 1 and fmt.complete_steps(on_disk) == [1]
         assert not (on_disk / "step-00000002" / "shard-000-of-001.safetensors").exists()
         assert not [p for p in (on_disk / "step-00000002").iterdir() if p.name.startswith(".")]
+        flushing = time.monotonic()
+        assert not writer.flush(
+            60
+        )  # the storage is failing: a flush (the shadow's close) does not wait on it
+        assert time.monotonic() - flushing < 10
         # the writer keeps going: the next capture (3) replaces the failed one (2) and is written
         writer.offer(3, lambda: snapshot(3), force=True)
-        assert writer.flush(30)
-        assert writer.stats.failing is None and writer.stats.written == 2 and writer.stats.last_step == 3
+        wait_for(lambda: writer.stats.last_step == 3, 60)
+        assert writer.stats.failing is None and writer.stats.written == 2
         assert fmt.read_latest(on_disk) == 3
     finally:
         writer.close()
@@ -244,8 +249,9 @@ def test_a_silent_server_fails_the_write_within_the_timeout_and_offers_never_wai
         assert took < 30, took
         assert json.dumps(vars(writer.stats))  # the status document takes it as it is
         # the failed capture (the newest, 5) is held and written once the server answers again
-        assert writer.flush(60)
-        assert writer.stats.failing is None and writer.stats.last_step == 5 and writer.stats.written == 2
+        wait_for(lambda: writer.stats.failing is None, 60)
+        assert writer.flush(30)
+        assert writer.stats.last_step == 5 and writer.stats.written == 2
     finally:
         writer.close()
     assert fmt.read_latest(served.export_dir / "silent") == 5
