@@ -1,0 +1,68 @@
+"""The host agents are components that own their state (docs/architecture.md, "The host agent").
+
+Walks the agents' modules with :mod:`ast` and fails when a component reads or writes another
+object's private attribute (``other._x``; torch's own internals, which the FSDP2 and TP code
+must reach, are listed), and when an agent inherits its behaviour from mixins again.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import hosts.c10d_fsdp
+import hosts.ddp
+
+REPO = Path(__file__).resolve().parents[2]
+AGENT_MODULES = sorted(
+    [*(REPO / "hosts").glob("ddp*.py"), REPO / "hosts" / "c10d_fsdp.py"], key=lambda p: p.name
+)
+TORCH_INTERNALS = frozenset(
+    {
+        "_clip_grads_with_norm_",  # torch.nn.utils.clip_grad's helper, patched to record the coefficient
+        "_unscale_grads_",  # GradScaler's, patched to record the inverse scale
+        "_get_default_group",  # the default process group (the FSDP2 agent needs the checkmate backend)
+        "_get_fsdp_state",  # FSDP2's module state: its param groups
+        "_fsdp_param_groups",
+        "_orig_size",  # an FSDP2 parameter's unsharded size
+        "_parameters",  # a module's parameter table (DTensor parameters kept local, hosts/ddp_tp.py)
+        "_checkmate_localized",  # hosts/ddp_tp.py's own mark on the module it localized
+        "_comm_hooks",  # DDP's registered hooks (one already there is refused)
+    }
+)
+
+
+def _foreign_private_uses(path: Path, root: Path = REPO) -> list[str]:
+    """``path:line: expression`` of every ``other._x`` (not ``self``/``cls``, not a dunder) in ``path``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        name = node.attr
+        if not name.startswith("_") or name.startswith("__") or name in TORCH_INTERNALS:
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        out.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_no_component_touches_another_ones_private_attributes() -> None:
+    assert len(AGENT_MODULES) >= 7, [p.name for p in AGENT_MODULES]
+    found = [use for path in AGENT_MODULES for use in _foreign_private_uses(path)]
+    assert not found, "a private attribute used outside its class:\n" + "\n".join(found)
+
+
+def test_the_agents_compose_their_components_instead_of_inheriting_them() -> None:
+    assert hosts.ddp.CheckmateAgent.__bases__ == (object,)
+    assert hosts.c10d_fsdp.FsdpCheckmateAgent.__bases__ == (object,)
+
+
+def test_the_walk_finds_a_foreign_private_attribute(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "class A:\n    def f(self, other):\n        other._count = self._mine + other.__len__()\n"
+        "        return other._state\n",
+        encoding="utf-8",
+    )
+    assert _foreign_private_uses(probe, tmp_path) == ["probe.py:3: other._count", "probe.py:4: other._state"]
