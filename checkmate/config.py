@@ -157,6 +157,12 @@ ENVIRONMENT_VARIABLES: Final[tuple[EnvironmentVariable, ...]] = (
         "rank 0 sends a fingerprint of its state with every K-th commit (0: never)",
         TRAINING,
     ),
+    _var(
+        "CHECKMATE_FINGERPRINT_BYTES",
+        "33554432 (32 MiB)",
+        "parameter bytes one fingerprint covers; a larger model is fingerprinted in turns (0: whole)",
+        TRAINING,
+    ),
     _var("CHECKMATE_MAX_LAG", "2", "iterations the shadows may lag before the policy acts", TRAINING),
     _var("CHECKMATE_ON_LAG", "wait", "what a lag beyond the bound does: `wait` or `continue`", TRAINING),
     _var("CHECKMATE_UNPROTECTED", "raise", "what an unprotected job does: `raise` or `log`", TRAINING),

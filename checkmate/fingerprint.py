@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy
@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 PARAM = "param"
 
 _MASK = (1 << 64) - 1
+
+_View = tuple[torch.Tensor, int, int, torch.dtype, numpy.ndarray, numpy.ndarray]
+"""A cached tensor: itself, its data_ptr, numel and dtype when cached, its uint64 words, its tail bytes."""
 
 
 def checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -68,22 +71,35 @@ class ChecksumCache:
     2-3 us, so for a model of many small tensors the views were most of the cost (TinyLM:
     116 tensors, 3.3 ms per fingerprint before, see docs/benchmarks.md). This keeps each
     tensor's view while the tensor keeps its memory (same object, same ``data_ptr``, size and
-    dtype); a tensor not passed in the last call is forgotten (and released). The result
+    dtype); a tensor not passed in the last ``keep`` calls is forgotten (and released): 1, or the
+    number of :class:`FingerprintTurns` groups when the fingerprints take turns. The result
     is :func:`checksums`' exactly (a test compares them). Calls are serialised by a lock.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._views: dict[int, tuple[torch.Tensor, int, int, torch.dtype, numpy.ndarray, numpy.ndarray]] = {}
+        self._views: dict[int, _View] = {}
+        self._older: list[dict[int, _View]] = []
 
-    def checksums(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+    def checksums(self, tensors: Sequence[torch.Tensor], keep: int = 1) -> list[int]:
         with self._lock:
-            return self._checksums(tensors)
+            previous = self._views
+            out = self._checksums(tensors, {k: v for view in self._older for k, v in view.items()} | previous)
+            self._older = ([previous] + self._older)[: max(0, keep - 1)]
+            return out
 
-    def _checksums(self, tensors: Sequence[torch.Tensor]) -> list[int]:
-        views: dict[int, tuple[torch.Tensor, int, int, torch.dtype, numpy.ndarray, numpy.ndarray]] = {}
+    def cached_ids(self) -> set[int]:
+        """``id()`` of every tensor whose view is kept now (for tests)."""
+        with self._lock:
+            return set(self._views).union(*(set(view) for view in self._older))
+
+    def _checksums(
+        self,
+        tensors: Sequence[torch.Tensor],
+        old: dict[int, _View],
+    ) -> list[int]:
+        views: dict[int, _View] = {}
         out: list[int] = []
-        old = self._views
         add = numpy.add.reduce
         uint64 = numpy.uint64
         for tensor in tensors:
@@ -145,20 +161,75 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
+DEFAULT_FINGERPRINT_BYTES = 32 << 20
+"""Parameter bytes one fingerprint covers by default (``CheckmateConfig.fingerprint_bytes``): a model
+up to 32 MiB of parameters (8M fp32) is checked whole at every fingerprint, a larger one in turns.
+With AdamW's two state tensors that is a pass over at most ~96 MiB, about 10 ms on one core at
+the summing rate measured here (docs/benchmarks.md)."""
+
+
+class FingerprintTurns:
+    """Which parameters each fingerprint covers: all of them, or in turns of at most ``budget`` bytes.
+
+    The parameters, in the order given (``named_parameters()``: the same on every rank and in
+    every run of the job), are cut into consecutive groups of at most ``budget`` parameter bytes
+    (a parameter larger than the budget is a group of its own); fingerprint number ``turn``
+    covers group ``turn % len(groups)`` and its optimizer state. Every parameter is thus compared
+    once every ``len(groups)`` fingerprints, and each fingerprint costs at most about ``budget``
+    bytes' share of the state. ``budget`` <= 0, or a model within it: one group, the whole state.
+    The shadows need not know the groups: they compare the parameters a fingerprint names
+    (:func:`mismatches`).
+    """
+
+    def __init__(self, sizes: Iterable[tuple[str, int]], budget: int) -> None:
+        groups: list[frozenset[str]] = []
+        current: list[str] = []
+        filled = 0
+        for name, size in sizes:
+            if budget > 0 and current and filled + size > budget:
+                groups.append(frozenset(current))
+                current, filled = [], 0
+            current.append(name)
+            filled += size
+        groups.append(frozenset(current))
+        self.groups: tuple[frozenset[str], ...] = tuple(groups)
+
+    @classmethod
+    def of(cls, named: Iterable[tuple[str, torch.Tensor]], budget: int) -> FingerprintTurns:
+        """The turns of ``named`` parameters (their bytes as stored)."""
+        return cls(((name, p.numel() * p.element_size()) for name, p in named), budget)
+
+    @property
+    def whole(self) -> bool:
+        """Whether every fingerprint covers the whole state (one group)."""
+        return len(self.groups) == 1
+
+    def names(self, turn: int) -> frozenset[str] | None:
+        """The parameters fingerprint number ``turn`` covers; None: all of them."""
+        return None if self.whole else self.groups[turn % len(self.groups)]
+
+
 def fingerprint(
     named: Iterable[tuple[str, torch.Tensor]],
     state: Mapping[torch.Tensor, Mapping[str, Any]] | None = None,
     cache: ChecksumCache | None = None,
+    names: Collection[str] | None = None,
+    keep: int = 1,
 ) -> dict[str, dict[str, Any]]:
     """The fingerprint of parameters (``(name, tensor)`` pairs) and their optimizer ``state``.
 
     ``cache``: a caller that fingerprints the same tensors again and again keeps one
-    :class:`ChecksumCache` and passes it (same result, a fraction of the cost).
+    :class:`ChecksumCache` and passes it (same result, a fraction of the cost). ``names``: only
+    these parameters (a turn of :class:`FingerprintTurns`, or the names a received fingerprint
+    holds); None: all. ``keep``: the cache keeps the views of the last ``keep`` calls' tensors
+    (the number of turns, when fingerprints take turns).
     """
     out: dict[str, dict[str, Any]] = {}
     tensors: list[torch.Tensor] = []
     slots: list[tuple[dict[str, Any], str]] = []
     for name, parameter in named:
+        if names is not None and name not in names:
+            continue
         entry: dict[str, Any] = {}
         out[name] = entry
         tensors.append(parameter)
@@ -170,7 +241,7 @@ def fingerprint(
                     slots.append((entry, str(key)))
                 else:
                     entry[str(key)] = _plain(value)
-    sums = cache.checksums(tensors) if cache is not None else checksums(tensors)
+    sums = cache.checksums(tensors, keep) if cache is not None else checksums(tensors)
     for (entry, key), total in zip(slots, sums, strict=True):
         entry[key] = total
     return out

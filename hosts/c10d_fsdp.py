@@ -59,6 +59,7 @@ from checkmate.control import (
     ParamSpec,
     dtype_name,
 )
+from checkmate.fingerprint import FingerprintTurns
 from checkmate.fingerprint import fingerprint as state_fingerprint
 from checkmate.optimizers import check_replayable, describe, pin_implementation
 from checkmate.tensors import tensor_payload
@@ -194,6 +195,7 @@ class FsdpCheckmateAgent:
         self._layout_sent = False
         self._last_hyper: list[dict[str, Any]] = []
         self._fingerprint_every = _fingerprint_every(config.fingerprint_every, model)
+        self._turns: FingerprintTurns | None = None
         self.commits: list[Commit] = []
         self._links = ShadowLinks(config, self.rank)
         self._digests: GradientDigests | None = None
@@ -263,11 +265,16 @@ class FsdpCheckmateAgent:
             )
         return comms
 
-    def _full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
-        """Every parameter and optimizer state tensor in full, by name (collective: all-gathers)."""
+    def _full_state(
+        self, names: frozenset[str] | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+        """Every parameter (of ``names``; None: all) and its optimizer state in full, by name
+        (collective: all-gathers)."""
         params: dict[str, torch.Tensor] = {}
         states: dict[str, dict[str, Any]] = {}
         for name, p in self.fsdp_model.named_parameters():
+            if names is not None and name not in names:
+                continue
             params[name] = _full(p)
             state = self.optimizer.state.get(p, {})
             states[name] = {k: _full(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
@@ -367,7 +374,12 @@ class FsdpCheckmateAgent:
         every = self._fingerprint_every
         fingerprint = None
         if every > 0 and (iteration + 1) % every == 0:
-            params, states = self._full_state()  # collective: every rank gathers
+            # this turn's parameters (the whole state for a model within fingerprint_bytes); the
+            # turns are cut from the logical sizes, the same on every rank
+            turns = self._turns = self._turns or FingerprintTurns.of(
+                self.fsdp_model.named_parameters(), self.config.fingerprint_bytes
+            )
+            params, states = self._full_state(turns.names(iteration // every))  # collective
             if self.rank == 0:
                 by_tensor = {params[n]: s for n, s in states.items()}
                 fingerprint = state_fingerprint(params.items(), by_tensor)

@@ -43,6 +43,7 @@ from checkmate.control import (
     dtype_name,
     validate_data_position,
 )
+from checkmate.fingerprint import FingerprintTurns
 from checkmate.fingerprint import cache_for as checksum_cache_for
 from checkmate.fingerprint import fingerprint as state_fingerprint
 from checkmate.job_state import JobState
@@ -151,6 +152,9 @@ class ShadowMessages:
         """Rank 0: the last step's commit, sent at the next forward pass (when the job state is final)."""
         self._state_checked = False
         self._fingerprint_every = _fingerprint_every(config.fingerprint_every, module)
+        self._fingerprint_bytes = config.fingerprint_bytes
+        self._turns: FingerprintTurns | None = None
+        """Which parameters each fingerprint covers (made at the first fingerprint)."""
         self._last_hyper: list[dict[str, Any]] = []
         self._optimizer_steps = config.optimizer_step
         self._data_position: Any = None
@@ -391,9 +395,7 @@ class ShadowMessages:
         if commit is None or not self._links.active:
             return
         if final and commit.fingerprint is None and self._fingerprint_every > 0:
-            commit.fingerprint = state_fingerprint(
-                self._module.named_parameters(), self._optimizer.state, checksum_cache_for(self._optimizer)
-            )
+            commit.fingerprint = self._fingerprint_of(None)  # the last one: the whole state
         state = self._job_state_before(commit.iteration + 1)
         if not state.equals(self._sent_job_state):  # unchanged: absent on the wire
             commit.job_state = self._sent_job_state = state
@@ -456,12 +458,28 @@ class ShadowMessages:
             self._pending_commit = commit
 
     def _fingerprint(self, iteration: int) -> dict[str, dict[str, Any]] | None:
-        """Rank 0's state after ``iteration`` (every K-th iteration), for the shadows to compare."""
+        """Rank 0's state after ``iteration`` (every K-th iteration), for the shadows to compare.
+
+        The whole state, or for a model over ``fingerprint_bytes`` of parameters this turn's
+        parameters (:class:`~checkmate.fingerprint.FingerprintTurns`, turn = iteration // K).
+        """
         every = self._fingerprint_every
         if not self._links.active or every <= 0 or (iteration + 1) % every:
             return None
-        named = self._module.named_parameters()
-        return state_fingerprint(named, self._optimizer.state, checksum_cache_for(self._optimizer))
+        return self._fingerprint_of(iteration // every)
+
+    def _fingerprint_of(self, turn: int | None) -> dict[str, dict[str, Any]]:
+        """The fingerprint of turn ``turn`` of the parameters (None: the whole state)."""
+        if self._turns is None:
+            self._turns = FingerprintTurns.of(self._module.named_parameters(), self._fingerprint_bytes)
+        names = self._turns.names(turn) if turn is not None else None
+        return state_fingerprint(
+            self._module.named_parameters(),
+            self._optimizer.state,
+            checksum_cache_for(self._optimizer),
+            names=names,
+            keep=len(self._turns.groups) + 1,
+        )
 
 
 def job_description(config: CheckmateConfig, workers: Sequence[Addr]) -> dict[str, Any] | None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from checkmate.auth import JOB_FILE_ENV, SECRET_ENV, SECRET_FILE_ENV, AuthConfigError, secret_from_env
 from checkmate.control import DEFAULT_CONTROL_PORT
+from checkmate.fingerprint import DEFAULT_FINGERPRINT_BYTES
 from checkmate.job import JobSpec
 from checkmate.metrics import parse_metrics_port
 from checkmate.wire import CHECKMATE_UDP_PORT
@@ -86,6 +87,14 @@ class CheckmateConfig:
     commit (``CHECKMATE_FINGERPRINT_EVERY``; 0: never); a shadow whose state differs says so
     within K iterations, withdraws its certification and is re-seeded. None: 1 when every
     parameter is on the CPU, 0 otherwise (CPU replay is not bit-identical to GPU kernels)."""
+    fingerprint_bytes: int = DEFAULT_FINGERPRINT_BYTES
+    """Parameter bytes one fingerprint covers (``CHECKMATE_FINGERPRINT_BYTES``; default 32 MiB; 0:
+    the whole state every time). A model within it is fingerprinted whole; a larger one in turns
+    (:class:`checkmate.fingerprint.FingerprintTurns`: consecutive groups of parameters of at most
+    this many bytes, with their optimizer state), so every parameter is compared once every
+    ``groups`` fingerprints: a divergence is seen within ``K * groups`` iterations instead of K,
+    and a fingerprint costs a bounded pass instead of one over the whole state. The trade is in
+    docs/benchmarks.md ("The fingerprint takes turns")."""
     metrics_port: int | None = None
     """Rank 0 serves Prometheus metrics on this TCP port (``CHECKMATE_METRICS_PORT``;
     hosts/metrics.py, docs/metrics.md). A port in use is logged; training goes on without."""
@@ -118,6 +127,8 @@ class CheckmateConfig:
             raise CheckmateConfigError(f"compress={self.compress!r}: expected 'bf16', 'fp16' or None")
         if self.fingerprint_every is not None and self.fingerprint_every < 0:
             raise CheckmateConfigError(f"fingerprint_every ({self.fingerprint_every}) must not be negative")
+        if self.fingerprint_bytes < 0:
+            raise CheckmateConfigError(f"fingerprint_bytes ({self.fingerprint_bytes}) must not be negative")
         if self.tp_degree < 1 or not 0 <= self.tp_index < self.tp_degree:
             raise CheckmateConfigError(
                 f"tp_index {self.tp_index} / tp_degree {self.tp_degree}: need 0 <= tp_index < tp_degree"
@@ -250,6 +261,7 @@ class CheckmateConfig:
                 if env.get("CHECKMATE_FINGERPRINT_EVERY")
                 else None
             ),
+            fingerprint_bytes=_int_env(env, "CHECKMATE_FINGERPRINT_BYTES", DEFAULT_FINGERPRINT_BYTES),
             compress=env.get("CHECKMATE_COMPRESS") or None,
             metrics_port=_metrics_port_env(env),
             tp_degree=tp,

@@ -56,6 +56,10 @@ from shadow.snapshots import Snapshot
 
 logger = logging.getLogger(__name__)
 
+FINGERPRINT_CACHE_CALLS = 16
+"""Fingerprint calls whose tensors' views a shadow keeps: rank 0 may send them in turns
+(:class:`~checkmate.fingerprint.FingerprintTurns`), each naming other parameters."""
+
 
 class Resumed(NamedTuple):
     """What a shadow resumed from its snapshot: the job and epoch the other components start with."""
@@ -226,8 +230,14 @@ class StateService:
             optimizer.apply(step, gradients)
             differs = None
             if entry.fingerprint is not None:
+                # only what rank 0's fingerprint covers (all, or this turn's parameters and of them
+                # the ones this shadow holds: fingerprint.mismatches compares names in both)
                 mine = state_fingerprint(
-                    optimizer.parameters.items(), optimizer.optimizer.state, checksum_cache_for(optimizer)
+                    optimizer.parameters.items(),
+                    optimizer.optimizer.state,
+                    checksum_cache_for(optimizer),
+                    names=entry.fingerprint.keys(),
+                    keep=FINGERPRINT_CACHE_CALLS,
                 )
                 differs = fingerprint_mismatches(entry.fingerprint, mine)
             self._applied = step.iteration

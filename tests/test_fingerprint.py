@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from checkmate.fingerprint import checksum, checksums, fingerprint, mismatches
+from checkmate.fingerprint import (
+    ChecksumCache,
+    FingerprintTurns,
+    checksum,
+    checksums,
+    fingerprint,
+    mismatches,
+)
 
 
 def test_one_ulp_anywhere_changes_the_checksum_and_equal_bytes_agree() -> None:
@@ -78,3 +85,55 @@ def test_checksum_cache_equals_the_reference_as_tensors_change_move_and_go() -> 
     assert cache.checksums(tensors[:2]) == checksums(tensors[:2])  # the others are forgotten
     owner = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     assert cache_for(owner) is cache_for(owner)
+
+
+def test_turns_cut_the_parameters_in_order_within_the_budget_and_cover_each_once_per_round() -> None:
+    sizes = [("a", 10), ("b", 30), ("c", 25), ("huge", 100), ("d", 5), ("e", 5)]
+    turns = FingerprintTurns(sizes, budget=40)
+    assert turns.groups == (
+        frozenset({"a", "b"}),
+        frozenset({"c"}),
+        frozenset({"huge"}),  # larger than the budget: a group of its own
+        frozenset({"d", "e"}),
+    )
+    assert not turns.whole
+    assert [turns.names(t) for t in (0, 4, 5)] == [frozenset({"a", "b"})] * 2 + [frozenset({"c"})]
+    covered = [name for t in range(len(turns.groups)) for name in sorted(turns.names(t) or ())]
+    assert sorted(covered) == sorted(name for name, _ in sizes)  # every parameter, once per round
+    # within the budget, or no budget: the whole state every time
+    assert FingerprintTurns(sizes, budget=175).whole and FingerprintTurns(sizes, budget=175).names(3) is None
+    assert FingerprintTurns(sizes, budget=0).names(7) is None
+    params = [("w", torch.zeros(4, 4)), ("b", torch.zeros(4)), ("v", torch.zeros(8, dtype=torch.float64))]
+    assert FingerprintTurns.of(params, budget=64).groups == (
+        frozenset({"w"}),
+        frozenset({"b"}),
+        frozenset({"v"}),
+    )
+
+
+def test_a_turn_fingerprints_only_its_parameters_and_the_comparison_sees_a_divergence_in_its_turn() -> None:
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.zeros(2))
+    state = {p: {"exp_avg": torch.ones(3)}, q: {"exp_avg": torch.zeros(2)}}
+    turns = FingerprintTurns.of([("p", p), ("q", q)], budget=12)
+    assert turns.groups == (frozenset({"p"}), frozenset({"q"}))
+    cache = ChecksumCache()
+    sent = [fingerprint([("p", p), ("q", q)], state, cache, turns.names(t), keep=2) for t in range(2)]
+    assert [set(f) for f in sent] == [{"p"}, {"q"}]
+    full = fingerprint([("p", p), ("q", q)], state)
+    assert sent[0]["p"] == full["p"] and sent[1]["q"] == full["q"]
+    state[q]["exp_avg"][1] = 1e-30  # the shadow's q diverged
+    shadow = fingerprint([("p", p), ("q", q)], state)
+    assert mismatches(sent[0], shadow) == []  # not q's turn: not seen yet
+    assert mismatches(sent[1], shadow) == ["q::exp_avg"]  # its turn: seen
+
+
+def test_the_cache_keeps_the_views_of_the_last_keep_calls_and_releases_older_ones() -> None:
+    a, b = torch.arange(6.0), torch.arange(5.0)
+    cache = ChecksumCache()
+    assert cache.checksums([a], keep=2) == checksums([a])
+    assert cache.checksums([b], keep=2) == checksums([b])
+    assert {id(a), id(b)} <= cache.cached_ids()  # a's view kept across one call of other tensors
+    a += 1  # in place: the same memory, a new value, still exact
+    assert cache.checksums([a], keep=2) == checksums([a])
+    cache.checksums([b], keep=1)
+    assert cache.cached_ids() == {id(b)}  # with keep=1 only the last call's tensors stay

@@ -91,6 +91,8 @@ def _job(rank: int, world: int, env: dict[str, str], port: int, scenario: dict[s
     point = resume_fsdp(model, optimizer, timeout=10.0) if scenario.get("resume") else None
     restored = _gathered(model, optimizer) if point is not None else None
     config = dataclasses.replace(CheckmateConfig.from_env(), keep_iterations=64)
+    if "fingerprint_bytes" in scenario:  # fingerprints in turns: every rank gathers the turn's parameters
+        config = dataclasses.replace(config, fingerprint_bytes=scenario["fingerprint_bytes"])
     agent = enable_checkmate_fsdp(model, optimizer, config, resume=point)
     first = point.iteration if point is not None else 0
     for step in range(first, STEPS):
@@ -194,8 +196,9 @@ def _shadow_state(nodes: list[ShadowNode]) -> tuple[dict[str, Any], dict[str, An
         {"optimizer": "adamw", "clip": True},
         {"optimizer": "adamw", "world": 3},
         {"optimizer": "adamw", "mixed": "bf16"},
+        {"optimizer": "adamw", "clip": True, "fingerprint_bytes": 600},
     ],
-    ids=["sgd", "adamw-clipped", "adamw-3-ranks", "adamw-bf16-mixed-precision"],
+    ids=["sgd", "adamw-clipped", "adamw-3-ranks", "adamw-bf16-mixed-precision", "adamw-fingerprint-turns"],
 )
 def test_shadows_hold_the_sharded_jobs_full_state_bit_for_bit(scenario: dict[str, Any]) -> None:
     torch.set_num_threads(1)

@@ -24,6 +24,7 @@ import pytest
 import torch
 from torch.nn.utils import clip_grad_norm_  # imported by name before enable_checkmate, on purpose
 
+from checkmate.fingerprint import DEFAULT_FINGERPRINT_BYTES
 from checkmate.optimizers import OptimizerReplayError, check_replayable, non_elementwise_state
 from checkmate.wire import CHECKMATE_UDP_PORT
 from shadow.node import ShadowConfig, ShadowNode
@@ -98,6 +99,7 @@ def _train(
         CheckmateConfig.from_env(),
         keep_iterations=64,
         fingerprint_every=scenario.get("every"),
+        fingerprint_bytes=scenario.get("fingerprint_bytes", DEFAULT_FINGERPRINT_BYTES),
         compress=scenario.get("compress"),
     )
     agent = hosts.enable_checkmate(ddp, opt, config)
@@ -316,6 +318,30 @@ def test_a_gradient_changed_behind_the_shadows_back_is_caught_and_the_shadow_res
         while owner.status()["divergence"] is not None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert owner.status()["divergence"] is None and owner.status()["reseeds"] >= 3, owner.status()
+        assert r0["certified"]
+        assert_shadows_equal(r0, nodes)
+    finally:
+        for n in nodes:
+            n.close()
+
+
+def test_fingerprints_in_turns_catch_the_change_at_the_turn_of_the_changed_parameter() -> None:
+    # 2048 parameter bytes per fingerprint cut Net into 4 turns: [body.0.weight], [body.0.bias],
+    # [body.2.weight], [body.2.bias, head.weight, head.bias]; fingerprint t covers turn t % 4
+    r0, nodes = run_scenario({"optimizer": "sgd", "tamper": 2, "every": 1, "fingerprint_bytes": 2048})
+    try:
+        assert len(r0["divergences"]) == 1, r0["divergences"]
+        first = r0["divergences"][0]
+        # head.weight differs from iteration 2 on; iteration 2's fingerprint covered body.2.weight
+        # only, iteration 3's covers head.weight: seen there (with whole fingerprints: at 2)
+        assert first["iteration"] == 3, first
+        assert first["last_verified"] == 2, first  # iteration 2's turn matched
+        assert all(m.startswith("head.weight::") for m in first["mismatches"]), first
+        owner = next(n for n in nodes if n.name == first["shadow"])
+        deadline = time.monotonic() + 10
+        while owner.status()["divergence"] is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert owner.status()["divergence"] is None, owner.status()
         assert r0["certified"]
         assert_shadows_equal(r0, nodes)
     finally:
