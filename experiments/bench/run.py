@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from checkmate import nfs
 from experiments.bench import partition
 from experiments.bench.config import (
     BASELINE_KINDS,
@@ -63,6 +64,8 @@ from topologies.runstate import RunState, RunStateError
 logger = logging.getLogger(__name__)
 
 TOPOLOGY = REPO / "topologies" / "single.json"
+STORAGE_STALL_MARGIN_S = 30.0
+"""--storage remote: the launcher's stall watchdog waits this long beyond the NFS client's timeout."""
 
 
 def scaled_topology(base: Mapping[str, Any], workers: int) -> dict[str, Any]:
@@ -340,7 +343,12 @@ class BenchRun:
         command = (*launch.command, *extra)
         if self.bench.placement == "partitioned" and self.bench.partition is not None:
             command = (*partition.exec_prefix(self.bench.partition.workers, self.job.config.python), *command)
-        return replace(launch, command=command, env=env)
+        stall = launch.stall_timeout
+        if self._storage is not None:
+            # a worker waiting on a silent storage host fails with the NFS client's own error (naming the
+            # file and its timeout) before the launcher's watchdog calls it a stall
+            stall = max(stall, nfs.DEFAULT_TIMEOUT_S + STORAGE_STALL_MARGIN_S)
+        return replace(launch, command=command, env=env, stall_timeout=stall)
 
     def _on_iteration(self, series: str, incarnation: int, record: dict[str, Any]) -> None:
         """Once past the warmup, read back where every process of this run may run and start counting
