@@ -231,3 +231,26 @@ def test_both_storages_run_one_after_the_other_and_report_side_by_side() -> None
     # one storage: the table keeps its two placement groups and says nothing of storage
     alone = suite_markdown(suite_summary([local], "x", 1.0))
     assert "| system | every | partitioned: iterations/s |" in alone and "storage" not in alone
+
+
+def test_with_remote_storage_the_stall_watchdog_outwaits_the_nfs_timeout(tmp_path: Path) -> None:
+    """A worker stuck on a silent storage host fails with the NFS client's error, not the watchdog's."""
+    from experiments.bench.config import BenchConfig
+    from experiments.bench.run import STORAGE_STALL_MARGIN_S, BenchRun
+    from experiments.launcher import LaunchConfig
+
+    launch = LaunchConfig(
+        run_dir=tmp_path, workers=("h1",), master_addr="10.0.1.1", command=("train",), log_dir=tmp_path
+    )
+    for storage, stall in (("local", launch.stall_timeout), ("remote", nfs.DEFAULT_TIMEOUT_S + 30.0)):
+        config = BenchConfig(
+            iterations=12, warmup=2, k=1, rounds=1, systems=("torch-save-1",), work_dir=tmp_path / storage,
+            json_out=None, png_out=None, docs=None, storage=storage, measure_emulation=False,
+        )  # fmt: skip
+        run = BenchRun(config)
+        run._system = config.known()["torch-save-1"]
+        if storage == "remote":
+            run._storage = storage_host.StorageHost.__new__(storage_host.StorageHost)
+            run._storage.export_dir = tmp_path / "export"  # type: ignore[misc]
+        assert run._launch(launch).stall_timeout == stall
+    assert STORAGE_STALL_MARGIN_S == 30.0
