@@ -54,6 +54,13 @@ from checkmate.job_state import JobState
 logger = logging.getLogger(__name__)
 
 SCHEME = nfs.SCHEME
+ANSWERS = frozenset(
+    (errno.ENOENT, errno.ESTALE, errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR,
+     errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
+)  # fmt: skip
+"""Errors that are the server's answer: the connection is fine and kept (any other drops it)."""
+GONE = frozenset((errno.ENOENT, errno.ESTALE, errno.ENOTEMPTY))
+"""What pruning a step meets when another shadow prunes it at the same time (NFS3ERR_STALE included)."""
 _COLLAPSED = "nfs:/"
 """What ``Path`` makes of ``nfs://``."""
 
@@ -117,19 +124,24 @@ class RemoteRoot:
     def _step_path(self, step: int, *parts: str) -> str:
         return self._path(step_name(step), *parts)
 
+    def _failed(self, exc: nfs.NFSError) -> None:
+        """Drop the connection unless ``exc`` is the server's answer (a timed-out one is not reused)."""
+        if exc.errno not in ANSWERS:
+            self.close()
+
     def _write(self, path: str, data: bytes | memoryview) -> None:
         try:
             nfs.write_atomically(self.client(), path, lambda stream: stream.write(data), self.file_mode)
-        except nfs.NFSError:
-            self.close()  # a timed-out or broken connection is not reused
+        except nfs.NFSError as exc:
+            self._failed(exc)
             raise
 
     def _call(self, what: str, *args: Any) -> Any:
-        """``client.<what>(*args)``; on an NFS failure the connection is dropped and the error raised."""
+        """``client.<what>(*args)``; an NFS failure raises (the connection kept if the server answered)."""
         try:
             return getattr(self.client(), what)(*args)
-        except nfs.NFSError:
-            self.close()
+        except nfs.NFSError as exc:
+            self._failed(exc)
             raise
 
     def _listdir(self, path: str) -> list[str]:
@@ -210,10 +222,19 @@ class RemoteRoot:
             self._write(self._path(LATEST_FILE), storage.latest_bytes(step))
 
     def prune(self, keep: int) -> list[int]:
-        """:func:`checkmate.checkpoint.storage.prune` on the export."""
+        """:func:`checkmate.checkpoint.storage.prune` on the export.
+
+        Shadows sharing the directory prune the same steps: a step another one is removing
+        (ENOENT, or NFS3ERR_STALE for a directory gone under a listing) is left to it.
+        """
         removed = storage.prunable(self.steps_present(), self.complete_steps(), keep)
         for step in removed:
-            self._call("rmtree", self._step_path(step))
+            try:
+                self._call("rmtree", self._step_path(step))
+            except nfs.NFSError as exc:
+                if exc.errno not in GONE:
+                    raise
+                logger.debug("%s/%s: pruned by another writer meanwhile (%s)", self.url, step_name(step), exc)
         return removed
 
     # ---- reading ----------------------------------------------------------------------------
@@ -221,8 +242,8 @@ class RemoteRoot:
         try:
             with self.client().open(path, "rb") as stream:
                 data: bytes = stream.read()
-        except nfs.NFSError:
-            self.close()
+        except nfs.NFSError as exc:
+            self._failed(exc)
             raise
         return data
 

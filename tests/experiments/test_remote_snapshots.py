@@ -140,6 +140,37 @@ def test_snapshots_go_to_the_export_with_latest_and_pruning(served: Served, tmp_
 
 
 @needs_server
+def test_shadows_pruning_the_same_step_leave_it_to_each_other(
+    served: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two shadows prune the same old step; the one that finds it gone under it (NFS3ERR_STALE, as
+    measured in a bench run) neither fails its snapshot nor drops its connection."""
+    url = served.url("pruned")
+    writer = Snapshotter(policy(url, tmp_path, keep=1))
+    removing = nfs.NFSClient.rmtree
+    raced: list[str] = []
+
+    def raced_rmtree(client: nfs.NFSClient, path: str) -> None:
+        if not raced:  # the other shadow got there first: the directory vanished mid-removal
+            raced.append(path)
+            removing(client, path)
+            raise nfs.NFSError(errno.ESTALE, f"NFS unlink {path}: NFS3ERR_STALE(-116)")
+        removing(client, path)
+
+    monkeypatch.setattr(nfs.NFSClient, "rmtree", raced_rmtree)
+    try:
+        for step in range(3):
+            writer.offer(step, lambda s=step: snapshot(s), force=True)
+            assert writer.flush(30)
+        client = writer.remote._client if writer.remote else None
+        assert client is not None  # the connection was kept
+    finally:
+        writer.close()
+    assert raced and writer.stats.failed == 0 and writer.stats.written == 3
+    assert fmt.complete_steps(served.export_dir / "pruned") == [2]
+
+
+@needs_server
 def test_restore_reads_the_url_back(served: Served, tmp_path: Path) -> None:
     url = served.url("restore")
     shards = [Snapshotter(policy(url, tmp_path / str(k))) for k in range(2)]
