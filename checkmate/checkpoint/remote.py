@@ -12,9 +12,12 @@ functions, with the same guarantees:
   and all K manifests are there (:func:`~checkmate.checkpoint.storage.step_is_complete`);
   ``latest`` moves forward only, to a complete step; pruning keeps the newest complete steps.
 
+A shard's data file is serialized in memory before it is sent (``safetensors.torch.save``:
+one more copy of the shard while it is written, where the local writer streams to the file).
 A failed call (server unreachable, export full, no answer within the timeout) raises
-:class:`checkmate.nfs.NFSError` naming the file; the connection is dropped and the next call
-connects again. Nothing of a failed write is ever under a final name.
+:class:`checkmate.nfs.NFSError` naming the file; unless the error is the server's answer
+(:data:`ANSWERS`) the connection is dropped and the next call connects again. Nothing of a
+failed write is ever under a final name.
 
 Reading stages one step (:meth:`RemoteRoot.stage`): its files are copied to a local directory
 and :class:`~checkmate.checkpoint.reader.CheckpointReader` reads that, so every check of a
