@@ -27,6 +27,10 @@ rather than by overriding the steps: the benchmark changes each training run's
 command and samples CPU placement as iterations arrive; the reliability
 suite's fault harness runs its own worker and fires faults at given
 iterations.
+
+What a run runs, :class:`~experiments.job_config.JobConfig`, lives in
+:mod:`experiments.job_config` (so that the results and the shadows read it without
+importing this module); ``from experiments.job import JobConfig`` still works.
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -59,6 +62,7 @@ from experiments.commands import (
     run_command,
     secret_env,
 )
+from experiments.job_config import JobConfig
 from experiments.launcher import KillPlan, LaunchConfig, Launcher, LaunchError, tail
 from experiments.progress import Observer
 from experiments.results import JobResult, RunSeries
@@ -67,55 +71,6 @@ from topologies.cleanup import cleanup
 from topologies.runstate import RunState, RunStateError
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_WORK_DIR = Path("/tmp/checkmate-demo")
-
-
-@dataclass(frozen=True)
-class JobConfig:
-    """What a job run runs; the defaults are ``make demo``'s."""
-
-    iterations: int = 100
-    kill_iteration: int | None = 40
-    """The iteration during which a worker is killed (None: no failure)."""
-    kill_rank: int = 1
-    elastic: bool = False
-    """Restart without the failed worker's host (N-1 workers; the job is resized at the switch)
-    instead of all N: the job continues, but is no longer bit-identical to the reference."""
-    shadows_fail_too: bool = False
-    """Stop the shadows together with the failed worker: the job must restore from their snapshots."""
-    reference: bool = True
-    """Also run the job without the failure and compare the final parameters bit for bit."""
-    workers: tuple[str, ...] = ("h1", "h2", "h3")
-    shadows: tuple[str, ...] = ("sh1", "sh2")
-    job_id: int = 1
-    global_batch: int = 48
-    model_args: tuple[str, ...] = ()
-    """Extra train_lm arguments (e.g. a smaller model: ``--width 32 --layers 1``)."""
-    worker_module: str = "examples.train_lm"
-    """What the workers run (``python -m``); it takes train_lm's options and writes its log."""
-    topology: Path = REPO / "topologies" / "single.json"
-    rename_switches: tuple[tuple[str, str], ...] = ()
-    """(old, new) switch names in the private copy of the topology, so that it can run next to
-    another network built from the same description (switch port interfaces are named after
-    their switch, in the root namespace)."""
-    switch_args: tuple[str, ...] = ()
-    """``checkmate-net up --switch-args`` values (``[SWITCH=]ARGS``), e.g. seeded loss."""
-    target: str = "embedded"
-    work_dir: Path = DEFAULT_WORK_DIR
-    results_dir: Path | None = REPO / "results"
-    """Where demo.json and demo.png go (None: nowhere)."""
-    snapshot_keep: int = 3
-    """``checkmate-shadow run --keep``: snapshot steps each shadow keeps on disk."""
-    network_timeout: float = 150.0
-    shadow_start_timeout: float = 60.0
-    train_timeout: float = 480.0
-    verify_timeout: float = 60.0
-    max_restarts: int = 3
-
-    @property
-    def python(self) -> str:
-        return sys.executable
 
 
 def _nothing(*args: Any) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from experiments.launcher import LaunchResult
 
 if TYPE_CHECKING:
-    from experiments.job import JobConfig
+    from experiments.job_config import JobConfig
 
 
 @dataclass
