@@ -25,16 +25,11 @@ from controller.capacity_inputs import (
     OPTIMIZER_STATE_BYTES,
     PlanError,
 )
-from controller.cluster_compare import (
-    CONFIGS,
-    CompareError,
-    compare,
-    machine_check,
-    machine_markdown,
-    named,
-    render_text,
-    with_overrides,
-)
+from controller.cluster_bench_check import machine_check
+from controller.cluster_inputs import CompareError, with_overrides
+from controller.cluster_model import compare
+from controller.cluster_render import machine_markdown, render_text
+from controller.named_clusters import CONFIGS, named
 
 logger = logging.getLogger(__name__)
 

@@ -24,17 +24,11 @@ from typing import Any
 
 from controller.capacity import PlanInfeasible, PlanRequest, plan
 from controller.capacity_inputs import DEFAULT_SHADOW_BENCH, PlanError
-from controller.cluster_compare import (
-    CONFIGS,
-    DEFAULT_BENCH,
-    CompareError,
-    compare,
-    machine_check,
-    machine_markdown,
-    markdown,
-    named,
-    storage_sensitivity,
-)
+from controller.cluster_bench_check import machine_check
+from controller.cluster_inputs import DEFAULT_BENCH, CompareError
+from controller.cluster_model import compare
+from controller.cluster_render import machine_markdown, markdown, storage_sensitivity
+from controller.named_clusters import CONFIGS, named
 
 logger = logging.getLogger(__name__)
 

@@ -11,21 +11,11 @@ import pytest
 
 from controller import capacity_table
 from controller.cli import main as ctl_main
-from controller.cluster_compare import (
-    CONFIGS,
-    INPUT_FIELDS,
-    MAX_INTERVAL,
-    PEERS,
-    CompareError,
-    compare,
-    interval_at,
-    machine_check,
-    machine_markdown,
-    measured_lag,
-    named,
-    overhead,
-    with_overrides,
-)
+from controller.cluster_bench_check import machine_check
+from controller.cluster_inputs import INPUT_FIELDS, CompareError, with_overrides
+from controller.cluster_model import MAX_INTERVAL, PEERS, compare, interval_at, overhead
+from controller.cluster_render import machine_markdown
+from controller.named_clusters import CONFIGS, measured_lag, named
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
