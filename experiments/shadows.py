@@ -31,7 +31,7 @@ from experiments.launcher import tail
 from experiments.progress import Observer
 
 if TYPE_CHECKING:
-    from experiments.job import JobConfig
+    from experiments.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
 
