@@ -49,36 +49,35 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from checkmate import wire
-from checkmate.wire import CHECKMATE_UDP_PORT, CheckmateHeader, DType, Flags, MessageType
 from embedded_switch import native, testbed
-from embedded_switch.pipeline import ipv4_checksum
+from experiments.bench.switch_traffic import (
+    GROUP,
+    JOB_ID,
+    JOB_SLOT,
+    NEXT_HOP,
+    NEXT_HOP_IP,
+    NEXT_HOP_MAC,
+    RID,
+    SENDER,
+    SENDER_IP,
+    SENDER_MAC,
+    SHADOW,
+    SHADOW_IP,
+    SHADOW_MAC,
+    SHADOW_UDP_PORT,
+    SWITCH_MAC,
+    Scenario,
+    make_frames,
+    native_sender,
+)
 from experiments.commands import REPO
 
-SENDER, NEXT_HOP, SHADOW = 1, 2, 3
-SWITCH_MAC, SENDER_MAC, NEXT_HOP_MAC, SHADOW_MAC = (
-    "02:00:00:00:00:fe", "02:00:00:00:00:01", "02:00:00:00:00:02", "02:00:00:00:00:03",
-)  # fmt: skip
-SENDER_IP, NEXT_HOP_IP, SHADOW_IP = "10.0.1.1", "10.0.2.1", "10.0.3.1"
-JOB_ID, JOB_SLOT, GROUP, RID, SHADOW_UDP_PORT = 7, 1, 1, 1, 50001
 RESULTS = REPO / "results" / "switch_bench.json"
 BMV2_JSON = REPO / "build" / "v1model" / "checkmate.json"
-_FRAME_VARIANTS = 64
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    replicate: bool
-    frame_bytes: int
-
-    @property
-    def copies(self) -> int:
-        return 2 if self.replicate else 1
 
 
 @dataclass
@@ -114,96 +113,6 @@ class RunResult:
         """The switch's user + system CPU time per frame it forwarded (in), in the measured window."""
         forwarded = self.in_pps * self.duration_s
         return 1e6 * (self.switch_cpu_user_s + self.switch_cpu_sys_s) / forwarded if forwarded else 0.0
-
-
-# ---- frames ---------------------------------------------------------------------------------------------
-def _mac(text: str) -> bytes:
-    return bytes.fromhex(text.replace(":", ""))
-
-
-def _ip(text: str) -> bytes:
-    return socket.inet_aton(text)
-
-
-def make_frames(scenario: Scenario, variants: int = _FRAME_VARIANTS) -> list[bytes]:
-    """``variants`` distinct valid frames (sequence, offset, IP id differ) of the scenario's size."""
-    payload_bytes = scenario.frame_bytes - 14 - 20 - 8 - wire.HEADER_BYTES
-    count = payload_bytes // 4
-    payload = bytes(i & 0xFF for i in range(count * 4))
-    frames = []
-    for seq in range(variants):
-        header = CheckmateHeader(
-            msg_type=MessageType.DATA, job_id=JOB_ID, iteration=1, bucket_id=0, sender_rank=0,
-            element_offset=seq * count, element_count=count, sequence=seq, dtype=DType.FP32,
-            flags=Flags.REPLICATE if scenario.replicate else Flags.NONE, shard_key=0,
-        )  # fmt: skip
-        datagram = wire.encode(header, payload)
-        udp = struct.pack("!HHHH", CHECKMATE_UDP_PORT, CHECKMATE_UDP_PORT, 8 + len(datagram), 0)
-        ip_header = bytearray(
-            struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp) + len(datagram), seq, 0x4000, 64, 17, 0,
-                        _ip(SENDER_IP), _ip(NEXT_HOP_IP))
-        )  # fmt: skip
-        struct.pack_into("!H", ip_header, 10, ipv4_checksum(ip_header))
-        frame = _mac(SWITCH_MAC) + _mac(SENDER_MAC) + b"\x08\x00" + bytes(ip_header) + udp + bytes(datagram)
-        assert len(frame) == scenario.frame_bytes, (len(frame), scenario.frame_bytes)
-        frames.append(frame)
-    return frames
-
-
-# ---- the generator (runs in the host namespace as its own process) -------------------------------------
-def generate(iface: str, frames_path: Path, duration: float, rate: float) -> None:
-    """Send the frames of ``frames_path`` round-robin out of ``iface``; print one JSON line at the end."""
-    data = frames_path.read_bytes()
-    frames = []
-    offset = 0
-    while offset < len(data):
-        (n,) = struct.unpack_from("!I", data, offset)
-        frames.append(data[offset + 4 : offset + 4 + n])
-        offset += 4 + n
-    sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(testbed.ETH_P_ALL))
-    sock.bind((iface, testbed.ETH_P_ALL))
-    sock.setsockopt(socket.SOL_SOCKET, 32, 8 << 20)  # SO_SNDBUFFORCE
-    send_frames = _native_sender()
-    send = sock.send
-    fd = sock.fileno()
-    batch = 32 if send_frames is not None else 16
-    sent = errors = 0
-    print("start", flush=True)
-    start = time.perf_counter()
-    end = start + duration
-    i = 0
-    nframes = len(frames)
-    while True:
-        now = time.perf_counter()
-        if now >= end:
-            break
-        if rate > 0:
-            due = start + sent / rate
-            if due > now:
-                time.sleep(due - now)
-        if send_frames is not None:
-            ok, failed = send_frames(fd, frames, i, batch)
-            sent += ok
-            errors += failed
-            i = (i + batch) % nframes
-            continue
-        for _ in range(batch):
-            try:
-                send(frames[i])
-                sent += 1
-            except OSError:
-                errors += 1
-            i = (i + 1) % nframes
-    elapsed = time.perf_counter() - start
-    print(json.dumps({"sent": sent, "errors": errors, "elapsed": elapsed}), flush=True)
-
-
-def _native_sender() -> Callable[[int, list[bytes], int, int], tuple[int, int]] | None:
-    """The extension's sendmmsg sender, or None when it is not built."""
-    if not native.available():
-        return None
-    sender: Callable[[int, list[bytes], int, int], tuple[int, int]] = native.extension().send_frames
-    return sender
 
 
 # ---- measuring ------------------------------------------------------------------------------------------
@@ -303,9 +212,8 @@ def run_once(
     frames_path = bed.workdir / f"frames-{scenario.frame_bytes}-{int(scenario.replicate)}.bin"
     frames_path.write_bytes(b"".join(struct.pack("!I", len(f)) + f for f in make_frames(scenario)))
     command = [
-        "ip", "netns", "exec", bed.host_ns, sys.executable, "-m", "experiments.bench.switch",
-        "--generate", bed.host_ifaces[SENDER], "--frames", str(frames_path),
-        "--duration", str(duration), "--rate", str(rate),
+        "ip", "netns", "exec", bed.host_ns, sys.executable, "-m", "experiments.bench.switch_traffic",
+        bed.host_ifaces[SENDER], str(frames_path), str(duration), str(rate),
     ]  # fmt: skip
     switch_in = bed.switch_ifaces[SENDER]
     outs = [bed.host_ifaces[NEXT_HOP], bed.host_ifaces[SHADOW]]
@@ -456,7 +364,7 @@ def send_floor(bed: testbed.Testbed, frame_bytes: int, seconds: float = 1.0) -> 
     and returns frames/s and CPU microseconds per frame (user and system, getrusage). None
     without the native extension.
     """
-    sender = _native_sender()
+    sender = native_sender()
     if sender is None:
         return None
     frames = make_frames(Scenario("unicast", False, frame_bytes))
@@ -542,13 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--profile", action="store_true", help="also cProfile the Python data path's 2-way 1514 B case"
     )
     parser.add_argument("--json", type=Path, default=RESULTS)
-    parser.add_argument("--generate", metavar="IFACE", help=argparse.SUPPRESS)
-    parser.add_argument("--frames", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--rate", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.generate:
-        generate(args.generate, args.frames, args.duration, args.rate)
-        return 0
     if os.geteuid() != 0:
         print("the benchmark needs root (network namespaces)", file=sys.stderr)
         return 2
