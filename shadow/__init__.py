@@ -1,19 +1,23 @@
 """Shadow nodes: reassemble copied gradients, apply the optimizer, checkpoint.
 
 A shadow node (``checkmate-shadow run``, :mod:`shadow.cli`) is one
-:class:`shadow.node.ShadowNode`, assembled from one part per thread or request type
-over the state they share (:mod:`shadow.node_state`: config, records, counters):
+:class:`shadow.node.ShadowNode`, composed of components that each own their state, thread
+and lock and call each other through typed methods (docs/architecture.md, "The shadow
+node: components, threads, locks"); :mod:`shadow.node_state` holds the configuration and
+the records they pass (the ``Epoch`` is the one shared by design):
 
-* :mod:`shadow.node_receive` - the receive thread: copies and repair answers placed
-  into the :class:`~shadow.iteration_window.IterationWindow` (or stashed until their
+* :mod:`shadow.node_receive` - ``Receiver``, the receive thread: copies and repair answers
+  placed into the :class:`~shadow.iteration_window.IterationWindow` (or stashed until their
   commit), with :mod:`shadow.reassembly` doing the byte placement;
-* :mod:`shadow.node_control` - the control port: rank 0's job_start, bucket_layout and
-  commits (new epochs, re-seeds), status and restore requests;
-* :mod:`shadow.node_apply` - the apply thread: :mod:`shadow.optimizer_apply` replays the
-  workers' optimizer; the fingerprint check, certification, snapshot offers;
-* :mod:`shadow.node_service` - resume from this shadow's snapshot, restore answers;
-* :mod:`shadow.node_maintenance` - repair requests (:mod:`shadow.repair`), the status
-  document and file.
+* :mod:`shadow.node_control` - ``ControlServer``, the control port: rank 0's job_start,
+  bucket_layout and commits (new epochs, re-seeds), status and restore requests;
+  :mod:`shadow.node_link` - ``ControlLink``, rank 0's connection and what is written on it;
+* :mod:`shadow.node_apply` - ``Applier``, the apply thread: certification, snapshot offers;
+* :mod:`shadow.node_service` - ``StateService``: the shard's state, :mod:`shadow.optimizer_apply`
+  replaying the workers' optimizer, the fingerprint check, resume from this shadow's
+  snapshot, restore answers;
+* :mod:`shadow.node_maintenance` - ``Maintenance``: repair requests (:mod:`shadow.repair`),
+  the status document and file.
 
 Around it: :mod:`shadow.iteration_window` (the iterations a shadow buffers ahead),
 :mod:`shadow.optimizer_apply` (the optimizer replayed on a shard),
