@@ -3,7 +3,8 @@
 The plan itself is :func:`controller.capacity.plan` (docs/capacity.md); this module
 parses sizes such as ``70e9`` / ``7B`` / ``350M``, builds the
 :class:`~controller.capacity.PlanRequest`, and prints the plan as text or JSON.
-``plan --compare`` prints :mod:`controller.cluster_compare`'s cluster-scale comparison instead.
+``plan --compare`` prints :mod:`controller.cluster_model`'s cluster-scale comparison
+(the clusters in :mod:`controller.named_clusters`) instead.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def parameter_count(text: str) -> int:
 
 
 def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (shared with controller.cli)."""
+    """argparse type: an integer >= 1 (shared with controller.cli_parser)."""
     try:
         value = int(text)
     except ValueError:

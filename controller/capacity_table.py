@@ -7,7 +7,7 @@ when the file differs from what would be written (the test suite runs it).
 Two tables: public model sizes from 8 to 10,000 GPUs on Tofino 2, and the small end
 next to what ``make bench`` measured in the emulated network (results/bench.json). Between
 the ``cluster-compare`` markers: the cluster-scale comparison of
-:mod:`controller.cluster_compare` and its check against make bench. Between the
+:mod:`controller.cluster_model` and its check against make bench. Between the
 ``capacity-sharded`` markers: one model as DDP and as FSDP2 (``--parallelism``).
 """
 
@@ -222,7 +222,7 @@ def render(shadow_bench: Path = DEFAULT_SHADOW_BENCH, bench: Path = BENCH) -> st
 
 
 def render_compare(shadow_bench: Path = DEFAULT_SHADOW_BENCH) -> str:
-    """The cluster-scale comparison (controller.cluster_compare) and its check against make bench."""
+    """The cluster-scale comparison (controller.cluster_model) and its check against make bench."""
     comparisons = [compare(named(name), shadow_bench) for name in CONFIGS]
     lines = [COMPARE_BEGIN, "", *markdown(comparisons), ""]
     lines += [

@@ -246,7 +246,7 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
     if unknown:
         raise BenchError(f"--storage: unknown {', '.join(map(repr, unknown))} (local, remote, local,remote)")
     if "remote" in storages:
-        from controller.cluster_compare import CONFIGS
+        from controller.named_clusters import CONFIGS
         from experiments.bench.storage_host import ganesha_missing
 
         if args.storage_cluster not in CONFIGS:

@@ -211,7 +211,7 @@ class BenchConfig:
     disk, the page cache in front) or ``remote`` (the storage host's NFS export, its link shaped to a
     cited cluster's write-to-all-reduce ratio: experiments.bench.storage_host)."""
     storage_cluster: str = "llama3-405b"
-    """``remote``: the cluster configuration (controller.cluster_compare) whose ratio shapes the link."""
+    """``remote``: the cluster configuration (controller.named_clusters) whose ratio shapes the link."""
     storage_mbit: float | None = None
     """``remote``: the link's rate in Mbit/s instead of the cited ratio's (None: the ratio's)."""
     syscall_iterations: int = 0

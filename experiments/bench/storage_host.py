@@ -15,7 +15,7 @@ Checkmate shadows' snapshots) there too (issue 27, item 2):
   stopped with its process group);
 * **the link**: a token bucket (``tc qdisc ... tbf``; this kernel has no netem) on both ends of
   the storage host's link (:func:`shape_link`), at the rate :func:`cited_rate` derives from a
-  named configuration of :mod:`controller.cluster_compare`.
+  named configuration of :mod:`controller.named_clusters`.
 
 The ratio kept is the one checkpoint overhead depends on: **the time to write one checkpoint
 over the time of one all-reduce of the gradients**. On ``llama3-405b`` (every figure cited
@@ -94,7 +94,7 @@ class CitedRate:
 
     cluster: str
     write_s: float
-    """One checkpoint written on the cluster (controller.cluster_compare.write_seconds)."""
+    """One checkpoint written on the cluster (controller.cluster_model.write_seconds)."""
     allreduce_s: float
     """One ring all-reduce of a GPU's gradients on the cluster's NICs."""
     fabric_busbw_MBps: float
@@ -113,7 +113,7 @@ class CitedRate:
     def describe(self) -> str:
         return (
             f"{self.cluster}: a checkpoint write takes {self.ratio:.2f} all-reduces of the gradients "
-            f"({self.write_s:.2f} s / {self.allreduce_s:.3f} s, controller/cluster_compare.py); at the "
+            f"({self.write_s:.2f} s / {self.allreduce_s:.3f} s, controller/cluster_model.py); at the "
             f"fabric's measured {self.fabric_busbw_MBps:.1f} MB/s busbw ({self.workers} ranks) the storage "
             f"link gets {self.rate_MBps:.1f} MB/s ({self.rate_mbit:.0f} Mbit/s)"
         )
@@ -122,7 +122,8 @@ class CitedRate:
 def cited_rate(fabric_busbw_MBps: float, workers: int, cluster: str = DEFAULT_CLUSTER) -> CitedRate:
     """The storage rate that keeps ``cluster``'s write-to-all-reduce time ratio on this fabric."""
     from controller.capacity_inputs import GRAD_DTYPE_BYTES
-    from controller.cluster_compare import named, write_seconds
+    from controller.cluster_model import write_seconds
+    from controller.named_clusters import named
     from experiments.bench.emulation import ADAMW_BYTES_PER_PARAMETER
 
     if not fabric_busbw_MBps or fabric_busbw_MBps <= 0:
