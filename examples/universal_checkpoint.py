@@ -31,13 +31,20 @@ SPEC = ReshapeSpec(
 )
 
 
+class _Block(nn.Module):
+    """The attention block's projections (parameter names ``block.qkv.*``, ``block.out.*``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM)  # fused q, k, v
+        self.out = nn.Linear(DIM, DIM)
+
+
 class TinyGPT(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.block = nn.Module()
-        self.block.qkv = nn.Linear(DIM, 3 * DIM)  # fused q, k, v
-        self.block.out = nn.Linear(DIM, DIM)
+        self.block = _Block()
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
