@@ -86,7 +86,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from checkmate.address import parse_host_port
 from checkmate.auth import DatagramAuth, datagram_job, derive_key, secret_or_env
@@ -94,22 +93,27 @@ from checkmate.network import Addr
 from checkmate.sockets import bind, grow_buffer
 from checkmate.wire import CHECKMATE_UDP_PORT, MAX_PAYLOAD_BYTES, CheckmateHeader, WireFormatError
 from hosts import native
-from hosts.faults import FaultConfig, FaultInjector
-from hosts.transport_flow import (
+from hosts.faults import FaultInjector
+from hosts.transport_flow import pack_ranges, unpack_ranges
+from hosts.transport_io import DATA_TYPE, SOL_UDP, UDP_GRO, Buffer
+from hosts.transport_native import NativeDatapath
+from hosts.transport_receive import Receiver
+from hosts.transport_records import (
+    DATAPATHS,
+    TRANSPORT_ENV,
     DataFieldsHandler,
     DataHandler,
     FailureHandler,
     Job,
     PeerTimeoutError,
     TransportClosedError,
-    pack_ranges,
-    unpack_ranges,
+    TransportConfig,
+    datapath_from_env,
 )
-from hosts.transport_io import DATA_TYPE, SOL_UDP, UDP_GRO, Buffer
-from hosts.transport_native import NativeDatapath
-from hosts.transport_receive import Receiver
 
 __all__ = [
+    "DATAPATHS",
+    "TRANSPORT_ENV",
     "Addr",
     "PeerTimeoutError",
     "Transport",
@@ -126,68 +130,6 @@ logger = logging.getLogger(__name__)
 _DATAGRAM_TRUESIZE = 32768
 """Kernel memory to budget per jumbo datagram in a receive buffer (for the advertised window;
 measured: 512 x 9 KB datagrams overflow an 8 MiB buffer on loopback, 256 do not)."""
-
-
-@dataclass(frozen=True)
-class TransportConfig:
-    """Everything a transport needs; the defaults suit jumbo datagrams on one host or a LAN."""
-
-    bind: Addr = ("127.0.0.1", CHECKMATE_UDP_PORT)
-    window: int = 1024
-    """Most unacknowledged datagrams per flow (also the window this side advertises)."""
-    rcvbuf_bytes: int = 64 << 20
-    sndbuf_bytes: int = 16 << 20
-    initial_rto: float = 0.1
-    min_rto: float = 0.2
-    """Python receivers queue datagrams for milliseconds, and a loaded machine deschedules them for
-    tens; losses are mostly repaired by SACK/NACK first, the RTO is for a silent peer or a lost tail."""
-    max_rto: float = 0.5
-    peer_timeout: float = 10.0
-    """Seconds without any acknowledgement from a peer with data outstanding before it is declared dead."""
-    ack_every: int = 32
-    """Acknowledge at once after this many new datagrams; otherwise at the end of each receive burst."""
-    dupthresh: int = 3
-    """A datagram this far below the highest SACKed one is presumed lost and resent."""
-    nack_delay: float = 0.004
-    """How long a gap must persist before the receiver NACKs it."""
-    nack_interval: float = 0.02
-    """Least time between two NACKs of one flow."""
-    timer_tick: float = 0.002
-    """Deadlines closer than this are served in one wake-up (the timer sleeps until the next
-    deadline, and while nothing is outstanding until woken), and the hold time of a reordered
-    datagram."""
-    max_reorder: int = 1 << 16
-    """Datagrams further than this beyond the cumulative sequence are dropped (bounded memory)."""
-    send_block_timeout: float = 0.5
-    """Longest wait for socket buffer space before a datagram is counted as dropped."""
-    gso: bool = True
-    """Send batched runs of equal-sized DATA datagrams as one UDP GSO write where the route allows it."""
-    faults: FaultConfig = field(default_factory=FaultConfig)
-    datapath: str = "native"
-    """``"native"``: the compiled data path (:mod:`hosts.transport_native`) where it built, else the
-    Python one with a warning; ``"python"``: the Python data path, the reference implementation.
-    Entry points map ``CHECKMATE_TRANSPORT=python|native`` to it (:func:`datapath_from_env`)."""
-    secret: bytes | None = field(default=None, repr=False)
-    """The job secret the entry point read (its control datagrams' keys, :mod:`checkmate.auth`):
-    :meth:`Transport.add_job` uses it for a job added without one of its own. None: each job's
-    own, or this process's from the environment (:func:`checkmate.auth.secret_or_env`)."""
-
-    def __post_init__(self) -> None:
-        if self.datapath not in DATAPATHS:
-            raise ValueError(f"datapath={self.datapath!r} is not one of {DATAPATHS}")
-
-
-DATAPATHS = ("native", "python")
-TRANSPORT_ENV = "CHECKMATE_TRANSPORT"
-
-
-def datapath_from_env(environ: Mapping[str, str]) -> str:
-    """``CHECKMATE_TRANSPORT`` (``native`` or ``python``; unset: ``native``) in the environment an entry
-    point read (``CheckmateConfig.from_env``, the backend's creator) and passes here."""
-    value = environ.get(TRANSPORT_ENV, "").strip().lower() or "native"
-    if value not in DATAPATHS:
-        raise ValueError(f"{TRANSPORT_ENV}={value!r}: expected one of {DATAPATHS}")
-    return value
 
 
 def resolve(addr: tuple[str, int] | str, default_port: int = CHECKMATE_UDP_PORT) -> Addr:

@@ -12,9 +12,8 @@ directions, all of it under the transport's ``_lock`` (an ``RLock``):
 * the timer thread (:meth:`FlowControl._timer_loop`): retransmission timeouts with backoff,
   NACKs of persistent gaps, dead-peer detection; failure callbacks run outside the lock.
 
-Also here: the flow records, the job record, the errors a flow raises
-(:class:`PeerTimeoutError`, :class:`TransportClosedError`) and the ACK/NACK range codec
-(docs/protocol.md).
+Also here: the ACK/NACK range codec (docs/protocol.md). The flow records, the job record and
+the errors a flow raises live in :mod:`hosts.transport_records` (re-exported here).
 """
 
 from __future__ import annotations
@@ -22,11 +21,8 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
-from checkmate.auth import DatagramAuth
 from checkmate.network import Addr
 from checkmate.wire import (
     MAX_PAYLOAD_BYTES,
@@ -40,13 +36,36 @@ from checkmate.wire import (
     set_sequence,
 )
 from hosts.transport_io import Buffer, TransportIO
+from hosts.transport_records import (
+    DataFieldsHandler,
+    DataHandler,
+    FailureHandler,
+    Job,
+    Outstanding,
+    PeerTimeoutError,
+    RecvFlow,
+    SendFlow,
+    TransportClosedError,
+)
+
+__all__ = [
+    "MAX_RANGES",
+    "MAX_SEQUENCE",
+    "DataFieldsHandler",
+    "DataHandler",
+    "FailureHandler",
+    "FlowControl",
+    "Job",
+    "Outstanding",
+    "PeerTimeoutError",
+    "RecvFlow",
+    "SendFlow",
+    "TransportClosedError",
+    "pack_ranges",
+    "unpack_ranges",
+]
 
 logger = logging.getLogger(__name__)
-
-DataHandler = Callable[[CheckmateHeader, memoryview, Addr], None]
-DataFieldsHandler = Callable[[tuple[int, ...], memoryview, Addr], None]
-"""A DATA handler taking the header as :func:`checkmate.wire.decode_data`'s ints (no header object)."""
-FailureHandler = Callable[["PeerTimeoutError"], None]
 
 MAX_SEQUENCE = (1 << 32) - 1
 _NEVER = float("inf")
@@ -54,84 +73,6 @@ _NEVER = float("inf")
 MAX_RANGES = 128
 """Most SACK/NACK ranges one ACK or NACK carries (1 KiB of payload)."""
 _RANGE = struct.Struct("!II")
-
-
-class PeerTimeoutError(TimeoutError):
-    """A peer stopped answering: nothing acknowledged (or received) within the timeout."""
-
-    def __init__(self, peer: Addr, job_id: int, rank: int | None, detail: str) -> None:
-        self.peer = peer
-        self.job_id = job_id
-        self.rank = rank
-        who = f"rank {rank} at {peer[0]}:{peer[1]}" if rank is not None else f"{peer[0]}:{peer[1]}"
-        super().__init__(f"job {job_id}: peer {who} is not responding: {detail}")
-
-
-class TransportClosedError(RuntimeError):
-    """The transport was closed while an operation needed it."""
-
-
-@dataclass(slots=True)
-class Outstanding:
-    """One DATA datagram sent (or queued) and not yet acknowledged."""
-
-    seq: int
-    header_bytes: bytearray
-    """The bytes sent: ``header`` packed with ``seq`` (and RETRANSMIT once resent)."""
-    payload: memoryview
-    first_sent: float = 0.0
-    last_sent: float = 0.0
-    retransmits: int = 0
-
-
-@dataclass
-class SendFlow:
-    """This side's sending half of one flow: window, RTT estimate, what is outstanding."""
-
-    peer: Addr
-    job_id: int
-    peer_rank: int | None
-    rto: float
-    peer_window: int
-    next_seq: int = 0
-    cum_acked: int = 0
-    unacked: dict[int, Outstanding] = field(default_factory=dict)
-    """Ordered by last transmission time (a retransmitted entry moves to the end)."""
-    pending: deque[Outstanding] = field(default_factory=deque)
-    srtt: float | None = None
-    rttvar: float = 0.0
-    backoff: float = 1.0
-    last_progress: float = 0.0
-    failed: PeerTimeoutError | None = None
-
-
-@dataclass
-class RecvFlow:
-    """This side's receiving half of one flow: what arrived, and what is owed an ACK or NACK."""
-
-    peer: Addr
-    job_id: int
-    cum: int = 0
-    ooo: set[int] = field(default_factory=set)
-    since_ack: int = 0
-    ack_due: bool = False
-    gap_since: float = 0.0
-    last_nack: float = 0.0
-
-
-@dataclass
-class Job:
-    """A job registered with the transport: its peers, handlers and datagram key."""
-
-    job_id: int
-    rank: int
-    peers: dict[int, Addr]
-    by_addr: dict[Addr, int]
-    on_data: DataHandler
-    on_request: DataHandler | None
-    on_failure: FailureHandler | None
-    auth: DatagramAuth | None = None
-    on_data_fields: DataFieldsHandler | None = None
 
 
 def pack_ranges(ranges: Sequence[tuple[int, int]]) -> bytes:

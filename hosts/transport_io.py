@@ -26,16 +26,12 @@ import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
 
 from checkmate.auth import datagram_job
 from checkmate.network import Addr
 from checkmate.wire import MessageType
 from hosts.faults import FaultInjector, SendAction
-
-if TYPE_CHECKING:
-    from hosts.transport import TransportConfig
-    from hosts.transport_flow import Job, RecvFlow, SendFlow
+from hosts.transport_records import Job, RecvFlow, SendFlow, TransportConfig
 
 logger = logging.getLogger(__name__)
 

@@ -26,16 +26,36 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 import weakref
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from checkmate.network import Addr
-from checkmate.wire import HEADER_BYTES, decode, decode_data
-from hosts.transport_flow import PeerTimeoutError, TransportClosedError
+from checkmate.wire import HEADER_BYTES, CheckmateHeader, decode, decode_data
+from hosts.transport_records import Job, PeerTimeoutError, TransportClosedError, TransportConfig
 
-if TYPE_CHECKING:
-    from hosts.transport import Transport
+
+class _Host(Protocol):
+    """What the engine and its events use of the transport that owns them (:class:`hosts.transport.Transport`;
+    named here rather than imported, so that this layer does not import the one above it)."""
+
+    @property
+    def config(self) -> TransportConfig: ...
+    @property
+    def advertised_window(self) -> int: ...
+    @property
+    def tap(self) -> Callable[[CheckmateHeader, Addr, bool], None] | None: ...
+    @property
+    def copy_hook(self) -> Callable[[bytes, Addr], None] | None: ...
+    @property
+    def _sock(self) -> socket.socket: ...
+    @property
+    def _gro(self) -> bool: ...
+    @property
+    def _jobs(self) -> dict[int, Job]: ...
+    def count(self, name: str, n: int = 1) -> None: ...
+    def _handle_datagram(self, data: memoryview, addr: Addr) -> None: ...
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +86,7 @@ os.register_at_fork(after_in_child=_forget_all)
 class NativeDatapath:
     """One transport socket's compiled engine, the events it raises, and the calls into it."""
 
-    def __init__(self, module: Any, transport: Transport) -> None:
+    def __init__(self, module: Any, transport: _Host) -> None:
         config = transport.config
         faults = config.faults
         self._transport = weakref.ref(transport)
