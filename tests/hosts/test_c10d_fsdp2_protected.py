@@ -35,7 +35,9 @@ NET = f"127.{os.getpid() % 200 + 20}.{(os.getpid() // 200 + 101) % 250}"
 """This test process's own loopback /24 (shadows .70/.71, workers .80+)."""
 
 
-def _model(seed: int, mixed: str | None = None) -> torch.nn.Module:
+def _model(seed: int, mixed: str | None = None, reshard: bool = True) -> torch.nn.Module:
+    """The test's sharded model; ``reshard=False`` keeps parameters gathered between forward and
+    backward (``reshard_after_forward=False``: ZeRO-2's memory layout, the same reduce-scatters)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(seed)
@@ -45,7 +47,9 @@ def _model(seed: int, mixed: str | None = None) -> torch.nn.Module:
     # mixed precision as FSDP2 does it: bf16 compute and bf16 reduce-scatters, fp32 parameters and step
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(mixed))
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype) if dtype is not None else None
-    kwargs = {"mp_policy": policy} if policy is not None else {}
+    kwargs: dict[str, Any] = {"mp_policy": policy} if policy is not None else {}
+    if not reshard:
+        kwargs["reshard_after_forward"] = False
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, **kwargs)
@@ -86,7 +90,7 @@ def _job(rank: int, world: int, env: dict[str, str], port: int, scenario: dict[s
     )
     options = CheckmateBackendOptions(bind=f"{NET}.{80 + rank}", peer_timeout=3.0)
     dist.init_process_group("checkmate", pg_options=options)
-    model = _model(scenario.get("seed", 0), scenario.get("mixed"))
+    model = _model(scenario.get("seed", 0), scenario.get("mixed"), scenario.get("reshard", True))
     optimizer = _optimizer(scenario["optimizer"], model)
     point = resume_fsdp(model, optimizer, timeout=10.0) if scenario.get("resume") else None
     restored = _gathered(model, optimizer) if point is not None else None
@@ -197,8 +201,16 @@ def _shadow_state(nodes: list[ShadowNode]) -> tuple[dict[str, Any], dict[str, An
         {"optimizer": "adamw", "world": 3},
         {"optimizer": "adamw", "mixed": "bf16"},
         {"optimizer": "adamw", "clip": True, "fingerprint_bytes": 600},
+        {"optimizer": "adamw", "clip": True, "reshard": False},
     ],
-    ids=["sgd", "adamw-clipped", "adamw-3-ranks", "adamw-bf16-mixed-precision", "adamw-fingerprint-turns"],
+    ids=[
+        "sgd",
+        "adamw-clipped",
+        "adamw-3-ranks",
+        "adamw-bf16-mixed-precision",
+        "adamw-fingerprint-turns",
+        "adamw-zero2-no-reshard-after-forward",
+    ],
 )
 def test_shadows_hold_the_sharded_jobs_full_state_bit_for_bit(scenario: dict[str, Any]) -> None:
     torch.set_num_threads(1)
