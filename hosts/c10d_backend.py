@@ -75,7 +75,8 @@ from hosts.c10d_work import (
     unsupported,
 )
 from hosts.faults import FaultConfig
-from hosts.ring_allreduce import MAX_ITERATION, ReduceOp, RingAllReduce, RingConfig
+from hosts.ring_allreduce import MAX_ITERATION, RingAllReduce
+from hosts.ring_config import ReduceOp, RingConfig
 from hosts.transport import Addr, Transport, TransportConfig, datapath_from_env, resolve
 
 __all__ = [

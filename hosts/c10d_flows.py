@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from checkmate.wire import MAX_PAYLOAD_BYTES, DType, pack_data_header
 from hosts.c10d_work import CheckmateBackendError, FutureWork, as_bytes, from_bytes
-from hosts.ring_allreduce import MAX_ITERATION, CollectiveError
+from hosts.ring_allreduce import MAX_ITERATION
+from hosts.ring_config import CollectiveError
 from hosts.transport import Addr, PeerTimeoutError, Transport
 
 __all__ = ["FlowCollectives", "FlowOp"]

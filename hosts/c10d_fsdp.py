@@ -76,7 +76,7 @@ from hosts.ddp_config import (
 from hosts.ddp_gradients import CheckmateStateError, GradientGuard
 from hosts.ddp_links import ShadowLinks
 from hosts.recovery import ResumeError, ResumePoint, restore_latest
-from hosts.ring_allreduce import ReduceOp, RingConfig
+from hosts.ring_config import ReduceOp, RingConfig
 
 __all__ = ["FsdpCheckmateAgent", "enable_checkmate_fsdp", "load_full_state", "resume_fsdp"]
 

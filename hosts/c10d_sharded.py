@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from hosts.c10d_work import BACKEND_NAME, CheckmateBackendError, FutureWork
-from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig
+from hosts.ring_allreduce import RingAllReduce
+from hosts.ring_config import ReduceOp, RingConfig
 from hosts.transport import Transport
 
 __all__ = ["ShardedProtection"]

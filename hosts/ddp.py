@@ -106,7 +106,8 @@ from hosts.ddp_hook import CommHook, comm_hook
 from hosts.ddp_links import ShadowLinks
 from hosts.metrics import start_agent_metrics
 from hosts.random_state import RandomStateError, check_same_on_every_rank
-from hosts.ring_allreduce import RingAllReduce, RingConfig
+from hosts.ring_allreduce import RingAllReduce
+from hosts.ring_config import RingConfig
 from hosts.transport import Addr, Transport, TransportConfig
 
 __all__ = [

@@ -35,7 +35,8 @@ from hosts.ddp_commits import ShadowMessages
 from hosts.ddp_config import COMPRESSION
 from hosts.ddp_links import ShadowLinks
 from hosts.random_state import RandomState
-from hosts.ring_allreduce import ReduceOp, RingAllReduce
+from hosts.ring_allreduce import RingAllReduce
+from hosts.ring_config import ReduceOp
 
 logger = logging.getLogger(__name__)
 

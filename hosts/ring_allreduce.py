@@ -1,37 +1,8 @@
 """Ring all-reduce over the host transport, with the all-gather's first transmissions tagged.
 
-The algorithm
--------------
-A bucket of ``n`` elements is cut into ``N`` chunks (``N`` = world size),
-chunk ``c`` = elements ``[c*n//N, (c+1)*n//N)``, and each chunk into datagrams
-of at most ``MAX_PAYLOAD_BYTES`` (the *slot grid*, identical on every rank).
-Rank ``r`` sends only to ``next = r+1 mod N`` and receives only from
-``prev = r-1 mod N``.
-
-* **Reduce-scatter.** Chunk ``c`` starts at rank ``c``, which sends its own
-  values; each following rank adds its values to what arrives and forwards
-  the sum, until rank ``c-1`` (the chunk's *owner*) holds the full sum.
-* **All-gather.** The owner sends the reduced chunk on, each rank stores it
-  and forwards it, until rank ``c-2`` has it.
-
-Work is driven per datagram (cut-through), not per step: each received slot
-is reduced and forwarded at once, so many steps overlap. Every element's
-all-gather copy depends causally on its reduce-scatter copy having passed
-this rank, so the first arrival of a slot is its reduce-scatter half and the
-second its all-gather half; no phase field is needed on the wire.
-
-Reduction order (deterministic, for reference sums in tests)
-------------------------------------------------------------
-Element ``e`` of chunk ``c`` ends up as::
-
-    acc = x[c][e]
-    for j in 1 .. N-1:  acc = acc + x[(c + j) % N][e]     # IEEE add in the bucket dtype
-
-where ``x[k]`` is rank ``k``'s input, already divided by ``N`` for
-``ReduceOp.AVG`` (like DDP's default hook: divide first, then sum, so the
-wire carries the final averaged values). With 2 ranks this is ``x0 + x1``,
-bit-identical to gloo. Every rank ends with the same bits, because every
-rank copies the owner's sum.
+The ring's algorithm, its slot grid and its exact reduction order are :mod:`hosts.ring_config`'s
+(where :func:`~hosts.ring_config.slot_grid` and :func:`~hosts.ring_config.reference_allreduce`
+live); this module is the engine that runs it per datagram.
 
 Tags
 ----
@@ -51,13 +22,10 @@ with a NACK (docs/protocol.md).
 
 from __future__ import annotations
 
-import enum
-import functools
 import logging
-import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,6 +34,15 @@ import torch
 from checkmate.auth import DATAGRAM_TAG_BYTES
 from checkmate.tensors import payload_tensor, tensor_payload, wire_dtype
 from checkmate.wire import MAX_PAYLOAD_BYTES, CheckmateHeader, DType, Flags, MessageType, pack_data_header
+from hosts.ring_config import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    ReduceOp,
+    RingConfig,
+    SlotGrid,
+    slot_grid,
+)
+from hosts.ring_repair import answerable, nack_for, pieces, requested_ranges
 from hosts.tag_log import TagLog, TagRecord
 from hosts.transport import Addr, PeerTimeoutError, Transport
 
@@ -73,115 +50,8 @@ logger = logging.getLogger(__name__)
 
 MAX_BUCKET_ID = (1 << 16) - 1
 MAX_ITERATION = (1 << 32) - 1
-_PAIR = struct.Struct("!II")
 _NONE, _REPLICATE, _LAST = int(Flags.NONE), int(Flags.REPLICATE), int(Flags.LAST)
 """Flags as ints on the per-datagram path (an IntFlag operation costs about a microsecond)."""
-
-
-class ReduceOp(enum.Enum):
-    SUM = "sum"
-    AVG = "avg"
-    """Divide each input by the world size, then sum (what DDP's default hook does)."""
-
-
-class CollectiveError(RuntimeError):
-    """The all-reduce cannot complete (a peer failed, or this engine was closed)."""
-
-
-class CollectiveTimeoutError(CollectiveError, TimeoutError):
-    """An all-reduce did not complete within its timeout; the message names the peer waited for."""
-
-
-@dataclass(frozen=True)
-class RingConfig:
-    job_id: int
-    rank: int
-    workers: tuple[Addr, ...]
-    """Worker data addresses in ring order (index = rank)."""
-    shard_key_for_bucket: Callable[[int], int] = lambda bucket: 0
-    timeout: float = 60.0
-    """Seconds an all-reduce may take before it fails with CollectiveTimeoutError."""
-    keep_iterations: int = 4
-    """Reduced buckets of this many recent iterations are kept for repairs."""
-    future_iterations: int = 4
-    """Data more than this many iterations ahead of this rank's latest started one is dropped as
-    bogus (acknowledged and lost: keep it above how far a peer can legitimately run ahead, which
-    is 1 iteration under DDP)."""
-    max_stash_bytes: int = 1 << 30
-    """Bound on data buffered for buckets this rank has not started yet."""
-    host_replica: Callable[[int], Addr | None] | None = None
-    """Host-side replication (no switch): shard key -> the shadow's data address. When set, the
-    owner sends its tagged chunks to the peer *without* REPLICATE (the switch copies nothing) and
-    once more itself, straight to that shadow, as the switch's copy would look (REPLICATE
-    cleared); None: the switch replicates (``CheckmateConfig.replication``)."""
-
-    def __post_init__(self) -> None:
-        if len(self.workers) < 2:
-            raise ValueError(f"a ring needs at least 2 workers, got {len(self.workers)}")
-        if not 0 <= self.rank < len(self.workers):
-            raise ValueError(f"rank {self.rank} is outside 0..{len(self.workers) - 1}")
-
-    @property
-    def world_size(self) -> int:
-        return len(self.workers)
-
-
-@dataclass(frozen=True)
-class _Grid:
-    """The slot grid of a bucket: identical on every rank for the same (n, N, dtype size)."""
-
-    bounds: tuple[int, ...]
-    offsets: tuple[int, ...]
-    counts: tuple[int, ...]
-    chunk: tuple[int, ...]
-    last: tuple[bool, ...]
-    chunk_slots: tuple[tuple[int, ...], ...]
-    slot_of: dict[int, int]
-
-
-@functools.lru_cache(maxsize=512)
-def slot_grid(n: int, world: int, per_datagram: int) -> _Grid:
-    """Chunk bounds and datagram slots of an ``n``-element bucket (see the module docstring)."""
-    bounds = tuple(c * n // world for c in range(world + 1))
-    offsets: list[int] = []
-    counts: list[int] = []
-    chunk: list[int] = []
-    last: list[bool] = []
-    chunk_slots: list[tuple[int, ...]] = []
-    for c in range(world):
-        start, end = bounds[c], bounds[c + 1]
-        mine = []
-        for o in range(start, end, per_datagram):
-            mine.append(len(offsets))
-            offsets.append(o)
-            counts.append(min(per_datagram, end - o))
-            chunk.append(c)
-            last.append(o + per_datagram >= end)
-        chunk_slots.append(tuple(mine))
-    return _Grid(
-        bounds=bounds,
-        offsets=tuple(offsets),
-        counts=tuple(counts),
-        chunk=tuple(chunk),
-        last=tuple(last),
-        chunk_slots=tuple(chunk_slots),
-        slot_of={o: i for i, o in enumerate(offsets)},
-    )
-
-
-def reference_allreduce(inputs: Sequence[torch.Tensor], op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-    """The exact result of the ring for these per-rank inputs (same order, same rounding)."""
-    world = len(inputs)
-    xs = [t.reshape(-1) / world if op is ReduceOp.AVG else t.reshape(-1).clone() for t in inputs]
-    n = xs[0].numel()
-    out = torch.empty_like(xs[0])
-    for c in range(world):
-        lo, hi = c * n // world, (c + 1) * n // world
-        acc = xs[c][lo:hi].clone()
-        for j in range(1, world):
-            acc = acc + xs[(c + j) % world][lo:hi]
-        out[lo:hi] = acc
-    return out
 
 
 _RS_DONE = 1
@@ -208,7 +78,7 @@ class _Op:
     dtype: DType
     dtype_value: int
     """``int(dtype)``, compared per datagram."""
-    grid: _Grid
+    grid: SlotGrid
     state: bytearray
     remaining: int
     shard_key: int
@@ -688,39 +558,22 @@ class RingAllReduce:
     # ---- repair service -------------------------------------------------------------
     def _on_repair_request(self, header: CheckmateHeader, payload: memoryview, addr: Addr) -> None:
         """REPAIR_REQUEST: header range plus (offset, count) pairs in the payload -> REPAIR_DATA."""
-        if len(payload) % _PAIR.size:
+        ranges = requested_ranges(header, payload)
+        if ranges is None:
             self._drop("malformed_repair")
             return
-        ranges = [(header.element_offset, header.element_count)]
-        ranges += [_PAIR.unpack_from(payload, i) for i in range(0, len(payload), _PAIR.size)]
         with self._lock:
             record = self._ops.get((header.iteration, header.bucket_id))
             available = record is not None and record.done
         self._count("repair_requests")
-        n = record.work.numel() if record is not None else 0
-        if not available or any(o + k > n or k == 0 for o, k in ranges):
+        if record is None or not available or not answerable(ranges, record.work.numel()):
             self._count("repair_unavailable")
-            nack = CheckmateHeader(
-                msg_type=MessageType.NACK,
-                job_id=self.config.job_id,
-                iteration=header.iteration,
-                bucket_id=header.bucket_id,
-                sender_rank=self.rank,
-                element_offset=header.element_offset,
-                element_count=header.element_count,
-                sequence=header.sequence,
-                dtype=DType.NONE,
-            )
-            self.transport.send_unreliable(addr, nack)
+            self.transport.send_unreliable(addr, nack_for(header, self.config.job_id, self.rank))
             return
-        assert record is not None
         size = record.dtype.itemsize
         per = (MAX_PAYLOAD_BYTES - DATAGRAM_TAG_BYTES) // size  # room for the MAC (checkmate.auth)
-        pieces: list[tuple[int, int]] = []
-        for o, k in ranges:
-            for start in range(o, o + k, per):
-                pieces.append((start, min(per, o + k - start)))
-        for i, (start, count) in enumerate(pieces):
+        parts = pieces(ranges, per)
+        for i, (start, count) in enumerate(parts):
             reply = CheckmateHeader(
                 msg_type=MessageType.REPAIR_DATA,
                 job_id=self.config.job_id,
@@ -731,8 +584,8 @@ class RingAllReduce:
                 element_count=count,
                 sequence=header.sequence,
                 dtype=record.dtype,
-                flags=Flags.LAST if i == len(pieces) - 1 else Flags.NONE,
+                flags=Flags.LAST if i == len(parts) - 1 else Flags.NONE,
                 shard_key=record.shard_key,
             )
             self.transport.send_unreliable(addr, reply, record.view[start * size : (start + count) * size])
-        self._count("repair_datagrams", len(pieces))
+        self._count("repair_datagrams", len(parts))

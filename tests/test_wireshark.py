@@ -145,7 +145,8 @@ def _ring(rank: int, world: int, store: str) -> list[tuple[int, int, int, int, i
     import torch.distributed as dist
 
     from hosts.faults import FaultConfig
-    from hosts.ring_allreduce import RingAllReduce, RingConfig
+    from hosts.ring_allreduce import RingAllReduce
+    from hosts.ring_config import RingConfig
     from hosts.transport import Transport, TransportConfig
 
     workers = tuple((f"127.0.0.{96 + r}", CHECKMATE_UDP_PORT) for r in range(world))

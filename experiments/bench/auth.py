@@ -49,7 +49,8 @@ from checkmate.control_frame import ControlAuth, bind, process_auth
 from checkmate.tensors import tensor_payload
 from checkmate.wire import CheckmateHeader, DType, MessageType
 from experiments.tiny_lm import ModelConfig, TinyLM
-from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig
+from hosts.ring_allreduce import RingAllReduce
+from hosts.ring_config import ReduceOp, RingConfig
 from hosts.transport import Transport, TransportConfig, pack_ranges
 
 OUT = "results/auth_bench.json"

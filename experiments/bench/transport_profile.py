@@ -58,7 +58,8 @@ def rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out: 
     import torch
     import torch.distributed as dist
 
-    from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig
+    from hosts.ring_allreduce import RingAllReduce
+    from hosts.ring_config import ReduceOp, RingConfig
     from hosts.transport import Transport, TransportConfig
 
     torch.set_num_threads(1)

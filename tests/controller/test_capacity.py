@@ -38,7 +38,7 @@ def test_table_sizes_and_horizon_match_the_program_and_the_shadow() -> None:
 )
 def test_datagram_count_is_the_ring_slot_grid(elements: int, dp: int) -> None:
     from checkmate.wire import MAX_PAYLOAD_BYTES
-    from hosts.ring_allreduce import slot_grid
+    from hosts.ring_config import slot_grid
 
     per = MAX_PAYLOAD_BYTES // 4
     assert capacity._datagrams(elements, dp, per) == len(slot_grid(elements, dp, per).offsets)

@@ -70,7 +70,7 @@ def _suite(rank: int, world: int, seed: int, gloo: Any) -> list[str]:
     """Every supported collective on the default (checkmate) group and on ``gloo``; the mismatches."""
     import torch.distributed as dist
 
-    from hosts.ring_allreduce import ReduceOp, reference_allreduce
+    from hosts.ring_config import ReduceOp, reference_allreduce
 
     failures: list[str] = []
     rng = random.Random(seed)

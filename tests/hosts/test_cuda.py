@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from checkmate.control import Commit
-from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig, reference_allreduce
+from hosts.ring_allreduce import RingAllReduce
+from hosts.ring_config import ReduceOp, RingConfig, reference_allreduce
 from hosts.transport import Transport, TransportConfig
 from tests.hosts.fake_shadow import FakeShadow
 from tests.hosts.harness import run_ranks, worker_addr

@@ -20,7 +20,8 @@ import torch
 from checkmate.wire import CHECKMATE_UDP_PORT, MAX_PAYLOAD_BYTES, CheckmateHeader, Flags, MessageType, decode
 from hosts.ddp import CheckmateConfig, CheckmateConfigError
 from hosts.faults import FaultConfig
-from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig, reference_allreduce
+from hosts.ring_allreduce import RingAllReduce
+from hosts.ring_config import ReduceOp, RingConfig, reference_allreduce
 from hosts.transport import Addr, Transport, TransportConfig
 from tests.hosts.datapaths import datapath_params
 from tests.hosts.harness import run_ranks, worker_addr

@@ -37,7 +37,8 @@ from checkmate.wire import (
 )
 from hosts import native
 from hosts.faults import FaultConfig
-from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig, reference_allreduce
+from hosts.ring_allreduce import RingAllReduce
+from hosts.ring_config import ReduceOp, RingConfig, reference_allreduce
 from hosts.transport import Transport, TransportConfig, datapath_from_env
 from tests.hosts.datapaths import NATIVE_BUILT
 from tests.hosts.harness import run_ranks

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from checkmate.wire import HEADER_BYTES, MAX_PAYLOAD_BYTES, pack_data_header
-from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig, reference_allreduce, slot_grid
+from hosts.ring_allreduce import RingAllReduce
+from hosts.ring_config import ReduceOp, RingConfig, reference_allreduce, slot_grid
 from hosts.transport import Transport, TransportConfig
 from tests.hosts.datapaths import NATIVE_BUILT
 

@@ -18,7 +18,8 @@ import torch
 
 from checkmate.tensors import tensor_payload
 from checkmate.wire import CheckmateHeader, DType, MessageType
-from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig
+from hosts.ring_allreduce import RingAllReduce
+from hosts.ring_config import ReduceOp, RingConfig
 from hosts.transport import Transport, TransportConfig
 from tests.hosts.datapaths import NATIVE_BUILT
 

@@ -24,15 +24,8 @@ from checkmate.wire import (
     encode,
 )
 from hosts.faults import FaultConfig
-from hosts.ring_allreduce import (
-    CollectiveTimeoutError,
-    ReduceOp,
-    RingAllReduce,
-    RingConfig,
-    TagRecord,
-    reference_allreduce,
-    slot_grid,
-)
+from hosts.ring_allreduce import RingAllReduce, TagRecord
+from hosts.ring_config import CollectiveTimeoutError, ReduceOp, RingConfig, reference_allreduce, slot_grid
 from hosts.transport import PeerTimeoutError, Transport, TransportConfig
 from tests.hosts.datapaths import datapath_params
 from tests.hosts.harness import run_ranks, worker_addr

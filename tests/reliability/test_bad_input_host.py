@@ -22,7 +22,8 @@ import torch
 from checkmate.auth import datagram_job, needs_tag
 from checkmate.wire import CHECKMATE_UDP_PORT, CheckmateHeader, DType, Flags, MessageType
 from hosts import native
-from hosts.ring_allreduce import ReduceOp, RingAllReduce, RingConfig, reference_allreduce
+from hosts.ring_allreduce import RingAllReduce
+from hosts.ring_config import ReduceOp, RingConfig, reference_allreduce
 from hosts.transport import Transport, TransportConfig
 from tests.reliability.fuzz_frames import decodes, mutate_datagram, tally
 from tests.reliability.record import Recorder
