@@ -80,7 +80,7 @@ import atexit
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -209,9 +209,7 @@ class CheckmateAgent:
         )
         links.open(self._messages.start_messages, self._messages.fingerprint_every)
         self._metrics = (
-            # hosts.metrics' _Agent protocol names plain attributes; the agent's iteration and channel
-            # are read-only properties, and reading them is all the metrics do
-            start_agent_metrics(cast(Any, self), config.job_id, self.rank, config.metrics_port)
+            start_agent_metrics(self, config.job_id, self.rank, config.metrics_port)
             if self.rank == 0 and config.metrics_port is not None
             else None
         )

@@ -22,8 +22,13 @@ PREFIX = "checkmate_agent"
 
 
 class _Agent(Protocol):
-    iteration: int
-    channel: Any
+    """What the metrics read of an agent (read-only: the agent's properties)."""
+
+    @property
+    def iteration(self) -> int: ...
+
+    @property
+    def channel(self) -> Any: ...
 
     def stats(self) -> dict[str, Any]: ...
 
