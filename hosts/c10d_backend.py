@@ -41,8 +41,12 @@ counter (docs/backend.md, "Tagging"). A sharded job's agent (:mod:`hosts.c10d_fs
 over for its gradient reduce-scatters (:mod:`hosts.c10d_sharded`): those alone are tagged, and the
 group's all-reduces move to the flows.
 
-The parts: :mod:`hosts.c10d_flows` (the flow collectives' messages, receive side and deadlines),
-:mod:`hosts.c10d_sharded` (the protected reduce-scatters), :mod:`hosts.c10d_work` (Work objects).
+The parts, components the group composes and calls through their methods (each owns its state;
+docs/architecture.md, "The host agent"): :class:`~hosts.c10d_flows.FlowCollectives` (the flow
+collectives' messages, receive side, deadlines, and the group's failed and closed state, under its
+lock, with its watch thread), :class:`~hosts.c10d_sharded.ShardedProtection` (the ring: the
+backend's all-reduces, the hand-over to a sharded job's agent, the protected reduce-scatters);
+:mod:`hosts.c10d_work` has the Work objects.
 """
 
 from __future__ import annotations
@@ -52,9 +56,8 @@ import dataclasses
 import logging
 import os
 import socket
-import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -63,19 +66,18 @@ import torch
 import torch.distributed as dist
 
 from checkmate.auth import AuthConfigError, secret_from_env
-from hosts.c10d_flows import FlowCollectives, FlowOp
-from hosts.c10d_sharded import ShardedProtection
+from hosts.c10d_flows import FlowCollectives
+from hosts.c10d_sharded import ShardedProtection, ring_op
 from hosts.c10d_work import (
     BACKEND_NAME,
     CheckmateBackendError,
-    FutureWork,
     all_of,
     done_work,
     from_bytes,
     unsupported,
 )
 from hosts.faults import FaultConfig
-from hosts.ring_allreduce import MAX_ITERATION, RingAllReduce
+from hosts.ring_allreduce import RingAllReduce
 from hosts.ring_config import ReduceOp, RingConfig
 from hosts.transport import Addr, Transport, TransportConfig, datapath_from_env, resolve
 
@@ -155,12 +157,16 @@ def _bind_address(bind: str | tuple[str, int] | None, env: Mapping[str, str]) ->
     return (_local_address_towards(env.get("MASTER_ADDR", "127.0.0.1")), 0)
 
 
-class CheckmateProcessGroup(ShardedProtection, FlowCollectives, dist.ProcessGroup):
+class CheckmateProcessGroup(dist.ProcessGroup):
     """One process group's collectives over one Checkmate transport (made by the registered creator).
 
     Calls must come in the same order on every rank (as with every c10d backend). Each returns a
-    ``Work`` whose future completes with the collective's output tensors.
+    ``Work`` whose future completes with the collective's output tensors. The group checks the
+    arguments and composes two components: :class:`FlowCollectives` (every collective but the
+    ring's all-reduce) and :class:`ShardedProtection` (the ring).
     """
+
+    ring_op = staticmethod(ring_op)
 
     def __init__(
         self,
@@ -185,22 +191,10 @@ class CheckmateProcessGroup(ShardedProtection, FlowCollectives, dist.ProcessGrou
         self.options = options
         self.job_id = job_id
         self.flow_job_id = (job_id + _FLOW_JOB_OFFSET) % (1 << 32)
-        self._lock = threading.Lock()
-        self._ops: dict[int, FlowOp] = {}
-        self._early: dict[int, list[tuple[int, int, int, bytes]]] = {}
-        """Flow op -> (sender, byte offset, bytes announced, payload) that came before the op started here."""
-        self._flow_seq = 0
-        self._ring_seq = 0
-        self._failed: BaseException | None = None
-        self._closed = False
         self.transport: Transport | None = None
-        self.ring: RingAllReduce | None = None
-        self.protected = False
-        """A sharded job's agent owns the ring (:meth:`protect_reduce_scatters`): it runs only
-        :meth:`tagged_reduce_scatter`, and all-reduces go on the flows."""
         self.peers: tuple[Addr, ...] = ()
-        self._watch_event = threading.Event()
-        self._watchdog: threading.Thread | None = None
+        self._flows = FlowCollectives(rank, world_size, self._timeout)
+        self._sharded = ShardedProtection(rank, world_size, self._flows)
         if world_size == 1:
             return
         assert options.bind is not None  # resolved() looks it up for every group of several ranks
@@ -214,16 +208,20 @@ class CheckmateProcessGroup(ShardedProtection, FlowCollectives, dist.ProcessGrou
         )
         try:
             self.peers = self._rendezvous(store)
+            flows = FlowCollectives(
+                rank, world_size, self._timeout, self.transport, self.peers, self.flow_job_id
+            )
+            self._flows = flows
             self.transport.add_job(
                 self.flow_job_id,
                 rank,
                 {r: a for r, a in enumerate(self.peers) if r != rank},
-                on_data=lambda header, payload, addr: self._on_fields(header.fields(), payload, addr),
-                on_failure=self._on_peer_failure,
+                on_data=lambda header, payload, addr: flows.on_fields(header.fields(), payload, addr),
+                on_failure=flows.on_peer_failure,
                 secret=secret,
-                on_data_fields=self._on_fields,
+                on_data_fields=flows.on_fields,
             )
-            self.ring = RingAllReduce(
+            ring = RingAllReduce(
                 self.transport,
                 RingConfig(
                     job_id=job_id,
@@ -235,14 +233,14 @@ class CheckmateProcessGroup(ShardedProtection, FlowCollectives, dist.ProcessGrou
                     host_replica=None if options.tag else (lambda key: None),
                 ),
             )
+            self._sharded = ShardedProtection(rank, world_size, flows, self.transport, ring)
             # no rank sends before every rank accepts its jobs (else its first datagrams wait for an RTO)
             store.set(f"checkmate/ready/{rank}", "1")
             store.wait([f"checkmate/ready/{r}" for r in range(world_size)])
         except BaseException:
             self.transport.close()
             raise
-        self._watchdog = threading.Thread(target=self._watch, name=f"cm-pg-{rank}", daemon=True)
-        self._watchdog.start()
+        flows.start_watch()
         _live.add(self)
         logger.info(
             "checkmate backend: rank %d/%d on %s:%d (%s), job %d%s",
@@ -286,6 +284,42 @@ class CheckmateProcessGroup(ShardedProtection, FlowCollectives, dist.ProcessGrou
     def getGroupDesc(self) -> str:  # noqa: N802
         return self._group_desc
 
+    # ---- what the components own, as the group's attributes -----------------------------------
+    @property
+    def ring(self) -> RingAllReduce | None:
+        """The group's ring (None for one rank); after :meth:`protect_reduce_scatters`, the agent's."""
+        return self._sharded.ring
+
+    @property
+    def protected(self) -> bool:
+        """A sharded job's agent owns the ring (:meth:`protect_reduce_scatters`): it runs only
+        :meth:`tagged_reduce_scatter`, and all-reduces go on the flows."""
+        return self._sharded.protected
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (every later collective raises)."""
+        return self._flows.closed
+
+    _closed = closed  # the name tests/hosts/test_c10d_backend.py reads
+
+    def protect_reduce_scatters(self, ring_config: RingConfig, drain_timeout: float = 5.0) -> RingAllReduce:
+        """Give the ring to a sharded job's agent (:meth:`ShardedProtection.protect_reduce_scatters`)."""
+        return self._sharded.protect_reduce_scatters(ring_config, drain_timeout)
+
+    def tagged_reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp,
+        iteration: int,
+        bucket: int,
+        on_reduced: Callable[[torch.Tensor], None] | None = None,
+    ) -> dist.Work:
+        """``reduce_scatter_tensor`` whose fully reduced chunks are tagged for the shadows
+        (:meth:`ShardedProtection.tagged_reduce_scatter`)."""
+        return self._sharded.tagged_reduce_scatter(output, input, op, iteration, bucket, on_reduced)
+
     def __repr__(self) -> str:
         return f"CheckmateProcessGroup(rank={self._rank}, size={self._world}, job={self.job_id})"
 
@@ -300,7 +334,7 @@ class CheckmateProcessGroup(ShardedProtection, FlowCollectives, dist.ProcessGrou
         if self._world == 1 or tensor.numel() == 0:
             return done_work(tensors)
         if tensor.dtype in _RING_DTYPES and not self.protected:
-            return self._ring_allreduce(tensor, op)
+            return self._sharded.allreduce(tensor, op)
         # other dtypes: every rank's tensor to every rank, added in rank order (exact for integers)
         if op is ReduceOp.AVG and not tensor.is_floating_point():
             raise NotImplementedError(
@@ -308,13 +342,13 @@ class CheckmateProcessGroup(ShardedProtection, FlowCollectives, dist.ProcessGrou
             )
 
         def finish(parts: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-            total = self._sum_in_rank_order(parts, tensor)
+            total = self._flows.sum_in_rank_order(parts, tensor)
             if op is ReduceOp.AVG:
                 total = total / self._world
             tensor.copy_(total)
             return tensors
 
-        return self._exchange("all_reduce", {r: tensor for r in range(self._world)}, tensor, finish)
+        return self._flows.exchange("all_reduce", {r: tensor for r in range(self._world)}, tensor, finish)
 
     def allreduce_coalesced(self, *args: Any, **kwargs: Any) -> dist.Work:
         return unsupported("all_reduce_coalesced", "call all_reduce once per tensor")
@@ -339,7 +373,7 @@ class CheckmateProcessGroup(ShardedProtection, FlowCollectives, dist.ProcessGrou
                 out.copy_(mine if r == self._rank else from_bytes(parts[r], mine))
             return output_tensors
 
-        return self._exchange("all_gather", {r: mine for r in range(self._world)}, mine, finish)
+        return self._flows.exchange("all_gather", {r: mine for r in range(self._world)}, mine, finish)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         """``dist.all_gather_into_tensor``: ranks' inputs concatenated along dim 0 (or stacked)."""
@@ -362,7 +396,9 @@ class CheckmateProcessGroup(ShardedProtection, FlowCollectives, dist.ProcessGrou
                 output.copy_(flat.view(output.shape))
             return [output]
 
-        return self._exchange("all_gather_into_tensor", {r: input for r in range(self._world)}, input, finish)
+        return self._flows.exchange(
+            "all_gather_into_tensor", {r: input for r in range(self._world)}, input, finish
+        )
 
     _allgather_base = all_gather_single
 
@@ -389,7 +425,9 @@ class CheckmateProcessGroup(ShardedProtection, FlowCollectives, dist.ProcessGrou
 
         sends = {r: tensor for r in range(self._world) if r != root} if self._rank == root else {}
         expect_from = [root] if self._rank != root else []
-        return self._flow_op("broadcast", sends, expect_from, tensor.numel() * tensor.element_size(), finish)
+        return self._flows.flow_op(
+            "broadcast", sends, expect_from, tensor.numel() * tensor.element_size(), finish
+        )
 
     def reduce_scatter(  # type: ignore[override]  # torch's stub overloads it
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
@@ -428,8 +466,7 @@ class CheckmateProcessGroup(ShardedProtection, FlowCollectives, dist.ProcessGrou
         """``dist.barrier``: completes once every rank has entered it."""
         if self._world == 1:
             return done_work([])
-        token = torch.zeros(1, dtype=torch.uint8)
-        return self._exchange("barrier", {r: token for r in range(self._world)}, token, lambda parts: [])
+        return self._flows.barrier()
 
     def reduce(self, *args: Any, **kwargs: Any) -> dist.Work:
         return unsupported("reduce", "all_reduce (every rank gets the sum)")
@@ -490,16 +527,11 @@ class CheckmateProcessGroup(ShardedProtection, FlowCollectives, dist.ProcessGrou
 
     def close(self, drain_timeout: float = 2.0) -> None:
         """Stop this rank's ring and transport (pending collectives fail); idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._fail_all(CheckmateBackendError("the checkmate process group was shut down"))
-        self._watch_event.set()
+        if not self._flows.close(CheckmateBackendError("the checkmate process group was shut down")):
+            return
         if self.transport is not None:
             self.transport.wait_idle(drain_timeout)
-            if self.ring is not None:
-                self.ring.close()
+            self._sharded.close()
             self.transport.remove_job(self.flow_job_id)
             self.transport.close()
         _live.discard(self)
@@ -508,21 +540,7 @@ class CheckmateProcessGroup(ShardedProtection, FlowCollectives, dist.ProcessGrou
     @classmethod
     def _reduce_op(cls, collective: str, opts: Any) -> ReduceOp:
         op = getattr(opts, "reduceOp", dist.ReduceOp.SUM) if opts is not None else dist.ReduceOp.SUM
-        return cls.ring_op(collective, op)
-
-    def _ring_allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> dist.Work:
-        assert self.ring is not None
-        with self._lock:
-            self._check_usable()
-            seq = self._ring_seq
-            self._ring_seq = (seq + 1) % (MAX_ITERATION + 1)
-        ring_future = self.ring.allreduce_async(seq, 0, tensor, op)
-
-        def copy_back(done: torch.futures.Future[torch.Tensor]) -> list[torch.Tensor]:
-            tensor.copy_(done.value().view(tensor.shape))
-            return [tensor]
-
-        return FutureWork(ring_future.then(copy_back))
+        return ring_op(collective, op)
 
     def _reduce_scatter(
         self, name: str, output: torch.Tensor, chunks: list[torch.Tensor], op: ReduceOp, result: Any
@@ -535,14 +553,14 @@ class CheckmateProcessGroup(ShardedProtection, FlowCollectives, dist.ProcessGrou
         mine = chunks[self._rank]
 
         def finish(parts: dict[int, torch.Tensor]) -> Any:
-            total = self._sum_in_rank_order(parts, mine)
+            total = self._flows.sum_in_rank_order(parts, mine)
             if op is ReduceOp.AVG:
                 total = total / self._world
             output.copy_(total.view(output.shape))
             return result
 
         sends = {r: chunks[r] for r in range(self._world)}
-        return self._exchange(name, sends, mine, finish)
+        return self._flows.exchange(name, sends, mine, finish)
 
 
 _live: weakref.WeakSet[CheckmateProcessGroup] = weakref.WeakSet()

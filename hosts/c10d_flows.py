@@ -5,8 +5,10 @@ them as DATA datagrams of a second job on the same socket (the ring's job id + 2
 ``iteration`` = the group's flow counter, ``sender_rank``, ``element_offset``/``element_count`` in
 2-byte units of the raw bytes. The receiver copies them into per-sender buffers and completes the
 collective once every expected byte arrived (docs/backend.md). :class:`FlowCollectives` is the
-part of :class:`hosts.c10d_backend.CheckmateProcessGroup` that does this (a mixin: the group owns
-the transport, the lock and the counters).
+component of :class:`hosts.c10d_backend.CheckmateProcessGroup` that does this: it owns the table of
+operations in flight, the datagrams that came before their operation, the flow counter, the
+group's failure and closed state, all under its one lock, and its deadline watch thread
+(``cm-pg-<rank>``); the group passes it the transport and the peers, and calls its methods.
 """
 
 from __future__ import annotations
@@ -55,23 +57,63 @@ class FlowOp:
 
 
 class FlowCollectives:
-    """Flow collectives of one process group (the group sets every attribute below)."""
+    """Flow collectives of one process group: the operations in flight, their deadlines, the failure.
 
-    _rank: int
-    _world: int
-    _timeout: float
-    _lock: threading.Lock
-    _ops: dict[int, FlowOp]
-    _early: dict[int, list[tuple[int, int, int, bytes]]]
-    _flow_seq: int
-    _failed: BaseException | None
-    _closed: bool
-    _watch_event: threading.Event
-    transport: Transport | None
-    peers: tuple[Addr, ...]
-    flow_job_id: int
+    ``transport`` is None for a group of one rank (nothing is ever sent: the group completes every
+    collective itself); then only :meth:`check_usable` and :meth:`close` are called.
+    """
 
-    def _sum_in_rank_order(self, parts: dict[int, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        timeout: float,
+        transport: Transport | None = None,
+        peers: tuple[Addr, ...] = (),
+        flow_job_id: int = 0,
+    ) -> None:
+        self._rank = rank
+        self._world = world
+        self._timeout = timeout
+        self._transport = transport
+        self._peers = peers
+        self._flow_job_id = flow_job_id
+        self._lock = threading.Lock()
+        self._ops: dict[int, FlowOp] = {}
+        self._early: dict[int, list[tuple[int, int, int, bytes]]] = {}
+        """Flow op -> (sender, byte offset, bytes announced, payload) that came before the op started here."""
+        self._flow_seq = 0
+        self._failed: BaseException | None = None
+        self._closed = False
+        self._watch_event = threading.Event()
+        self._watchdog: threading.Thread | None = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (every later collective raises)."""
+        return self._closed
+
+    def start_watch(self) -> None:
+        """Start the deadline watch thread (``cm-pg-<rank>``; it ends at :meth:`close`)."""
+        self._watchdog = threading.Thread(target=self._watch, name=f"cm-pg-{self._rank}", daemon=True)
+        self._watchdog.start()
+
+    def close(self, error: BaseException) -> bool:
+        """Fail every pending collective with ``error`` and stop the watch; False if already closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+        self._fail_all(error)
+        self._watch_event.set()
+        return True
+
+    def barrier(self) -> dist.Work:
+        """A one-byte token from every rank to every rank: completes once every rank has entered it."""
+        token = torch.zeros(1, dtype=torch.uint8)
+        return self.exchange("barrier", {r: token for r in range(self._world)}, token, lambda parts: [])
+
+    def sum_in_rank_order(self, parts: dict[int, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
         """``parts[0] + parts[1] + ... + parts[N-1]`` in ``like``'s dtype; this rank's part is ``like``."""
         values = [
             like.reshape(-1) if r == self._rank else from_bytes(parts[r], like).reshape(-1)
@@ -82,7 +124,7 @@ class FlowCollectives:
             total += value
         return total.view(like.shape)
 
-    def _exchange(
+    def exchange(
         self,
         name: str,
         sends: dict[int, torch.Tensor],
@@ -91,7 +133,7 @@ class FlowCollectives:
     ) -> dist.Work:
         """Send ``sends[r]`` to each other rank r and wait for every other rank's ``like``-sized part."""
         others = [r for r in range(self._world) if r != self._rank]
-        return self._flow_op(
+        return self.flow_op(
             name,
             {r: t for r, t in sends.items() if r != self._rank},
             others,
@@ -99,7 +141,7 @@ class FlowCollectives:
             finish,
         )
 
-    def _flow_op(
+    def flow_op(
         self,
         name: str,
         sends: dict[int, torch.Tensor],
@@ -108,7 +150,7 @@ class FlowCollectives:
         finish: Callable[[dict[int, torch.Tensor]], Any],
     ) -> dist.Work:
         """Start one flow collective: its sends and the receipt of ``nbytes`` from each of ``expect_from``."""
-        assert self.transport is not None
+        assert self._transport is not None
         if (nbytes + 1) // 2 > 0xFFFFFFFF:
             raise ValueError(f"{name}: a {nbytes}-byte message exceeds the wire's 32-bit offsets")
         record = FlowOp(
@@ -120,7 +162,7 @@ class FlowCollectives:
         )
         payloads = {r: as_bytes(t) for r, t in sends.items()}
         with self._lock:
-            self._check_usable()
+            self.check_usable()
             seq = self._flow_seq
             self._flow_seq = (seq + 1) % (MAX_ITERATION + 1)
             self._ops[seq] = record
@@ -137,7 +179,7 @@ class FlowCollectives:
         return FutureWork(record.future)
 
     def _send_message(self, seq: int, dst: int, payload: torch.Tensor) -> None:
-        assert self.transport is not None
+        assert self._transport is not None
         view = payload.numpy().data.cast("B") if payload.numel() else memoryview(b"")
         total = len(view)
         for start in range(0, total, _PIECE):
@@ -149,7 +191,7 @@ class FlowCollectives:
                 header,
                 0,
                 int(_WIRE_UNIT),
-                self.flow_job_id,
+                self._flow_job_id,
                 seq,
                 0,
                 self._rank,
@@ -157,10 +199,10 @@ class FlowCollectives:
                 start // 2,
                 len(piece) // 2,
             )
-            self.transport.send_packed(self.peers[dst], self.flow_job_id, header, piece)
+            self._transport.send_packed(self._peers[dst], self._flow_job_id, header, piece)
 
     # ---- receive side (the transport's thread) -----------------------------------------------
-    def _on_fields(self, fields: tuple[int, ...], payload: memoryview, addr: Addr) -> None:
+    def on_fields(self, fields: tuple[int, ...], payload: memoryview, addr: Addr) -> None:
         seq, sender = fields[5], fields[7]
         offset = fields[10] * 2
         with self._lock:
@@ -209,7 +251,8 @@ class FlowCollectives:
         logger.warning("checkmate backend rank %d: dropped a datagram (%s)", self._rank, why)
 
     # ---- failures -----------------------------------------------------------------------------
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
+        """Raise :class:`CheckmateBackendError` if the group was shut down or failed earlier."""
         if self._closed:
             raise CheckmateBackendError("the checkmate process group was shut down")
         if self._failed is not None:
@@ -232,7 +275,7 @@ class FlowCollectives:
         for record in records:
             record.future.set_exception(error)
 
-    def _on_peer_failure(self, error: PeerTimeoutError) -> None:
+    def on_peer_failure(self, error: PeerTimeoutError) -> None:
         with self._lock:
             if self._failed is None:
                 self._failed = error
