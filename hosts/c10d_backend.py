@@ -301,8 +301,6 @@ class CheckmateProcessGroup(dist.ProcessGroup):
         """Whether :meth:`close` ran (every later collective raises)."""
         return self._flows.closed
 
-    _closed = closed  # the name tests/hosts/test_c10d_backend.py reads
-
     def protect_reduce_scatters(self, ring_config: RingConfig, drain_timeout: float = 5.0) -> RingAllReduce:
         """Give the ring to a sharded job's agent (:meth:`ShardedProtection.protect_reduce_scatters`)."""
         return self._sharded.protect_reduce_scatters(ring_config, drain_timeout)

@@ -331,6 +331,8 @@ class ControlChannel:
         """Every divergence a shadow reported, oldest first (see :class:`~checkmate.control.Diverged`)."""
         self._lock = threading.Condition()
         self._unnamed = frozenset(unnamed)
+        self._leaving: list[threading.Thread] = []
+        """Links to shadows that moved, saying goodbye in the background (joined by :meth:`close`)."""
         self.links = [
             ShadowLink(n, a, self.config, job_id, self._on_certified, self._auth, n not in self._unnamed)
             for n, a in shadows.items()
@@ -455,9 +457,11 @@ class ControlChannel:
             for link in leaving:
                 self.certified.pop(link.name, None)
         for link in leaving:
-            threading.Thread(
+            closer = threading.Thread(
                 target=link.close, args=(timeout,), name=f"cm-ctl-close-{link.name}", daemon=True
-            ).start()
+            )
+            closer.start()
+            self._leaving.append(closer)
         return [link.name for link in new], [link.name for link in leaving]
 
     def flush(self, timeout: float) -> bool:
@@ -470,3 +474,8 @@ class ControlChannel:
     def close(self, timeout: float = 2.0) -> None:
         for link in self.links:
             link.close(timeout)
+        # a moved shadow's goodbye is said before the process may exit (the closers are daemons)
+        deadline = time.monotonic() + timeout
+        for closer in self._leaving:
+            closer.join(max(0.0, deadline - time.monotonic()))
+        self._leaving = [closer for closer in self._leaving if closer.is_alive()]

@@ -358,7 +358,7 @@ def _rank_main(
     out["idle"] = default.transport.wait_idle(10.0)
     dist.barrier(group=gloo)
     dist.destroy_process_group()
-    out["closed_at_destroy"] = default._closed
+    out["closed_at_destroy"] = default.closed
     return out
 
 

@@ -77,6 +77,7 @@ def _gathered(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 
 def _job(rank: int, world: int, env: dict[str, str], port: int, scenario: dict[str, Any]) -> dict[str, Any]:
     import dataclasses
+    import datetime
 
     import torch.distributed as dist
 
@@ -89,7 +90,10 @@ def _job(rank: int, world: int, env: dict[str, str], port: int, scenario: dict[s
         env, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     options = CheckmateBackendOptions(bind=f"{NET}.{80 + rank}", peer_timeout=3.0)
-    dist.init_process_group("checkmate", pg_options=options)
+    # A collective waits at most 30 s: a rank killed after it acknowledged everything rank 0 had
+    # sent leaves rank 0 nothing unacknowledged, so no peer timeout fires, only this one (torch's
+    # default is 30 minutes, far past the test's own limit; seen once under load)
+    dist.init_process_group("checkmate", pg_options=options, timeout=datetime.timedelta(seconds=30))
     model = _model(scenario.get("seed", 0), scenario.get("mixed"), scenario.get("reshard", True))
     optimizer = _optimizer(scenario["optimizer"], model)
     point = resume_fsdp(model, optimizer, timeout=10.0) if scenario.get("resume") else None
