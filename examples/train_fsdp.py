@@ -39,8 +39,8 @@ import torch.distributed as dist
 import hosts
 import hosts.c10d_backend  # noqa: F401  (registers the "checkmate" torch.distributed backend)
 from checkmate.checkpoint.digest import optimizer_digest, parameters_digest
-from examples.train_lm import RESUME_ENV, JsonLog
-from experiments.tiny_lm import ModelConfig, TinyLM, TrainConfig, batch_for, cosine_lr, load_corpus, loss_of
+from examples.train_lm import JsonLog, add_run_options, config_from, start_record
+from experiments.tiny_lm import TinyLM, TrainConfig, batch_for, cosine_lr, load_corpus, loss_of
 from hosts.recovery import ResumePoint
 
 logger = logging.getLogger("train_fsdp")
@@ -50,27 +50,7 @@ BIND_ENV = "CHECKMATE_BACKEND_BIND"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    defaults = TrainConfig()
-    parser.add_argument("--iterations", type=int, default=defaults.iterations, help="total iterations")
-    parser.add_argument(
-        "--global-batch", type=int, default=defaults.global_batch, help="samples per iteration"
-    )
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--lr", type=float, default=defaults.peak_lr, help="peak learning rate")
-    parser.add_argument("--max-norm", type=float, default=defaults.max_norm, help="gradient clipping norm")
-    parser.add_argument("--width", type=int, default=defaults.model.width)
-    parser.add_argument("--layers", type=int, default=defaults.model.layers)
-    parser.add_argument("--heads", type=int, default=defaults.model.heads)
-    parser.add_argument("--context", type=int, default=defaults.model.context)
-    parser.add_argument("--log", type=str, required=True, help="JSON-lines log; {rank} is replaced")
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        default=os.environ.get(RESUME_ENV, "") not in ("", "0"),
-        help=f"restore the latest certified state first (also {RESUME_ENV}=1)",
-    )
-    parser.add_argument("--snapshot-dir", type=Path, default=None, help="the shadows' snapshots (fallback)")
-    parser.add_argument("--restore-timeout", type=float, default=20.0, help="seconds to fetch the state")
+    add_run_options(parser)  # train_lm's, less DDP's --bucket-cap-mb
     parser.add_argument(
         "--no-checkmate", action="store_true", help="FSDP2 on gloo (for comparison; no shadows)"
     )
@@ -126,17 +106,6 @@ def full_optimizer_states(
     }
 
 
-def config_from(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(
-        iterations=args.iterations,
-        global_batch=args.global_batch,
-        seed=args.seed,
-        peak_lr=args.lr,
-        max_norm=args.max_norm,
-        model=ModelConfig(context=args.context, width=args.width, heads=args.heads, layers=args.layers),
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -171,18 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 snapshot_dir=str(args.snapshot_dir) if args.snapshot_dir else None,
             )
         start = point.iteration
-        log.write(
-            event="start",
-            rank=rank,
-            world_size=world,
-            pid=os.getpid(),
-            start_iteration=start,
-            restored_from=point.restored_iteration,
-            source=point.source if point.restored else None,
-            detail=point.detail if point.restored else None,
-            lost_iterations=point.lost_iterations if point.restored else None,
-            time=time.time(),
-        )
+        log.write(**start_record(point, rank, world))
         if point.restored:
             params = parameters_digest(full_parameters(model))
             states = optimizer_digest(full_optimizer_states(model, optimizer))

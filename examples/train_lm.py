@@ -54,8 +54,9 @@ logger = logging.getLogger("train_lm")
 RESUME_ENV = "CHECKMATE_RESUME"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options every TinyLM training script here takes (train_lm, train_fsdp): the schedule,
+    the model's size, the log and how to resume."""
     defaults = TrainConfig()
     parser.add_argument("--iterations", type=int, default=defaults.iterations, help="total iterations")
     parser.add_argument(
@@ -64,7 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--lr", type=float, default=defaults.peak_lr, help="peak learning rate")
     parser.add_argument("--max-norm", type=float, default=defaults.max_norm, help="gradient clipping norm")
-    parser.add_argument("--bucket-cap-mb", type=float, default=defaults.bucket_cap_mb)
     parser.add_argument("--width", type=int, default=defaults.model.width)
     parser.add_argument("--layers", type=int, default=defaults.model.layers)
     parser.add_argument("--heads", type=int, default=defaults.model.heads)
@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--snapshot-dir", type=Path, default=None, help="the shadows' snapshots (fallback)")
     parser.add_argument("--restore-timeout", type=float, default=20.0, help="seconds to fetch the state")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_options(parser)
+    parser.add_argument("--bucket-cap-mb", type=float, default=TrainConfig().bucket_cap_mb)
     parser.add_argument(
         "--no-checkmate", action="store_true", help="plain DDP over gloo (for comparison; no shadows)"
     )
@@ -287,7 +293,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         seed=args.seed,
         peak_lr=args.lr,
         max_norm=args.max_norm,
-        bucket_cap_mb=args.bucket_cap_mb,
+        bucket_cap_mb=getattr(args, "bucket_cap_mb", TrainConfig().bucket_cap_mb),  # DDP's only
         model=ModelConfig(context=args.context, width=args.width, heads=args.heads, layers=args.layers),
     )
 
@@ -305,6 +311,22 @@ class JsonLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+def start_record(point: ResumePoint, rank: int, world: int) -> dict[str, Any]:
+    """The log's ``start`` record of a (re)started rank: where it starts and what it restored."""
+    return {
+        "event": "start",
+        "rank": rank,
+        "world_size": world,
+        "pid": os.getpid(),
+        "start_iteration": point.iteration,
+        "restored_from": point.restored_iteration,
+        "source": point.source if point.restored else None,
+        "detail": point.detail if point.restored else None,
+        "lost_iterations": point.lost_iterations if point.restored else None,
+        "time": time.time(),
+    }
 
 
 def resume_cursor(point: ResumePoint) -> int:
@@ -350,18 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         start = point.iteration
         cursor = resume_cursor(point)  # the next batch (== start unless a data position says otherwise)
-        log.write(
-            event="start",
-            rank=rank,
-            world_size=world,
-            pid=os.getpid(),
-            start_iteration=start,
-            restored_from=point.restored_iteration,
-            source=point.source if point.restored else None,
-            detail=point.detail if point.restored else None,
-            lost_iterations=point.lost_iterations if point.restored else None,
-            time=time.time(),
-        )
+        log.write(**start_record(point, rank, world))
         if point.restored:
             log.write(
                 event="restored",

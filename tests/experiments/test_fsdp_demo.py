@@ -22,12 +22,13 @@ from experiments.demo import write_results
 from experiments.job import JobConfig, JobRun
 from tests.topologies.harness import root_interfaces
 
-pytestmark = [pytest.mark.root, pytest.mark.slow]  # about 2 minutes: network, two runs, teardown
+pytestmark = pytest.mark.root
 
 ITERATIONS = 8
 KILL_AT = 4
 
 
+@pytest.mark.slow  # about 2 minutes: network, two runs, teardown
 def test_fsdp2_demo_kills_a_worker_and_resumes_from_the_shadows_bit_identical(tmp_path: Path) -> None:
     before = root_interfaces()
     config = JobConfig(
@@ -56,3 +57,17 @@ def test_fsdp2_demo_kills_a_worker_and_resumes_from_the_shadows_bit_identical(tm
     assert summary["workers_agree"] is True
     json_path, _ = write_results(result, tmp_path / "results", "demo-fsdp")
     assert json.loads(json_path.read_text())["shadow_equals_workers"] is True
+
+
+@pytest.mark.parametrize("other", [["--tp", "2"], ["--elastic"]])
+def test_fsdp_does_not_combine_with_tp_or_elastic(
+    other: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from experiments.demo import main
+
+    assert main(["--fsdp", *other, "--work-dir", str(tmp_path / "demo")]) == 2
+    assert (
+        "--fsdp runs one FSDP2 job on h1-h3: it does not combine with --tp or --elastic"
+        in capsys.readouterr().out
+    )
+    assert not (tmp_path / "demo").exists()  # refused before anything started

@@ -456,6 +456,12 @@ def test_compression_and_fingerprint_settings_from_the_environment() -> None:
         CheckmateConfig.from_env({**env, "CHECKMATE_FINGERPRINT_EVERY": "often"})
     with pytest.raises(CheckmateConfigError, match="fingerprint_every \\(-1\\) must not be negative"):
         CheckmateConfig.from_env({**env, "CHECKMATE_FINGERPRINT_EVERY": "-1"})
+    assert config.fingerprint_bytes == 32 << 20  # the default: a model over 32 MiB takes turns
+    assert CheckmateConfig.from_env({**env, "CHECKMATE_FINGERPRINT_BYTES": "0"}).fingerprint_bytes == 0
+    with pytest.raises(CheckmateConfigError, match="CHECKMATE_FINGERPRINT_BYTES='32M' is not an integer"):
+        CheckmateConfig.from_env({**env, "CHECKMATE_FINGERPRINT_BYTES": "32M"})
+    with pytest.raises(CheckmateConfigError, match="fingerprint_bytes \\(-5\\) must not be negative"):
+        CheckmateConfig.from_env({**env, "CHECKMATE_FINGERPRINT_BYTES": "-5"})
 
 
 def test_the_check_is_on_by_default_for_cpu_parameters_only() -> None:
