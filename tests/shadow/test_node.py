@@ -116,7 +116,9 @@ def sealed(datagram_bytes: bytes) -> bytes:
 class FakeWorker:
     """Answers REPAIR_REQUESTs for bucket 0 with GRAD (or NACKs everything)."""
 
-    def __init__(self, host: str, nack: bool) -> None:
+    def __init__(self, host: str, nack: bool, gate: threading.Event | None = None) -> None:
+        self.gate = gate
+        """When given, each answer waits until it is set (a test orders copies before repairs)."""
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind((host, 0))
         self.sock.settimeout(0.1)
@@ -143,6 +145,8 @@ class FakeWorker:
             ranges = [(header.element_offset, header.element_count)]
             ranges += [struct.unpack_from("!II", extra, i) for i in range(0, len(extra), 8)]
             self.requests.append(ranges)
+            if self.gate is not None:
+                self.gate.wait(10.0)
             if self.nack:
                 reply = CheckmateHeader(
                     MessageType.NACK,
