@@ -290,7 +290,9 @@ class JobRun:
         """How :meth:`train` starts the workers (before :attr:`JobHooks.launch` changes it)."""
         config = self.config
         args = ["--iterations", str(config.iterations), "--global-batch", str(config.global_batch)]
-        args += ["--log", str(log_dir / "rank{rank}.jsonl"), "--snapshot-dir", str(self.snapshot_dir)]
+        # the workers' fallback when the shadows' memory is gone: where the shadows persist
+        fallback = self.shadows.snapshot_url or str(self.snapshot_dir)
+        args += ["--log", str(log_dir / "rank{rank}.jsonl"), "--snapshot-dir", fallback]
         if config.elastic and reference:
             args.append("--log-digests")  # to check the state the elastic restart restored
         return LaunchConfig(

@@ -2,7 +2,7 @@
 
 checkmate-shadow run --name shadow0 [--control 0.0.0.0:48880] [--data 0.0.0.0:48879]
                      [--job-id N] [--shard-keys 0,2] [--snapshot-dir DIR
-                     --snapshot-every K --snapshot-seconds T --keep M --resume]
+                     --snapshot-every K --snapshot-seconds T --keep M --snapshot-timeout S --resume]
                      [--status-file PATH] [--metrics-port PORT [--metrics-address ADDR]]
 checkmate-shadow status HOST[:PORT] [--timeout S]
 checkmate-shadow certified HOST[:PORT] [HOST[:PORT] ...]
@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
+from checkmate import nfs
 from checkmate.address import AddressError, parse_host_port
 from checkmate.auth import AuthConfigError, secret_from_env
 from checkmate.checkpoint.shadow_memory import RestoreError
@@ -97,6 +98,14 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    """A finite number of seconds above zero (a timeout)."""
+    value = _seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a timeout must be above zero seconds")
+    return value
+
+
 _LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 
 
@@ -133,6 +142,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--snapshot-every", type=int, default=1, help="iterations (0: never by count)")
     run.add_argument("--snapshot-seconds", type=float, default=0.0, help="seconds (0: never by time)")
     run.add_argument("--keep", type=int, default=3)
+    run.add_argument(
+        "--snapshot-timeout",
+        type=_positive_seconds,
+        default=nfs.DEFAULT_TIMEOUT_S,
+        help="remote --snapshot-dir: an NFS call not answered in this many seconds fails that snapshot "
+        f"write (logged, counted in status, tried again; default {nfs.DEFAULT_TIMEOUT_S:g})",
+    )
     run.add_argument("--resume", action="store_true", help="load this shadow's latest snapshot first")
     run.add_argument("--status-file", type=Path, default=None)
     run.add_argument("--horizon", type=int, default=8, help="iterations in flight")
@@ -184,6 +200,7 @@ def _run(args: argparse.Namespace) -> int:
             args.snapshot_every,
             args.snapshot_seconds,
             args.keep,
+            timeout=args.snapshot_timeout,
             stage_latest=args.resume,
         )
     keys = tuple(int(k) for k in args.shard_keys.split(",")) if args.shard_keys else None

@@ -88,7 +88,14 @@ class ShadowNode:
         self._state = StateService(config, self._drops)
         self._link = ControlLink(config)
         self._maintenance = Maintenance(
-            config, self._receiver, self._state, self._link, keys, self.status, self._stop
+            config,
+            self._receiver,
+            self._state,
+            self._link,
+            keys,
+            self.status,
+            self._stop,
+            self._publish_status,
         )
         self._applier = Applier(
             config,
@@ -122,6 +129,12 @@ class ShadowNode:
                 self._applier.resumed(resumed.step)
                 self._control.resumed()
 
+    def _publish_status(self, name: str, document: bytes) -> None:
+        """The status document to the remote snapshot directory (the snapshotter's, when remote)."""
+        snapshotter = self._applier.snapshotter
+        if snapshotter is not None:
+            snapshotter.publish_status(name, document)
+
     def start(self) -> ShadowNode:
         self._receiver.start()
         self._control.start()
@@ -141,6 +154,7 @@ class ShadowNode:
         self._applier.join(timeout)
         self._maintenance.join(timeout)
         self._state.close()  # its optimizer's apply threads
+        self._maintenance.write_status()  # remote snapshots: the last status goes out with the writer
         self._applier.close(timeout)  # the snapshotter
         self._maintenance.write_status()
         self._receiver.close()

@@ -57,6 +57,7 @@ class Maintenance:
         keys: DatagramKeys,
         status: Callable[[], dict[str, Any]],
         stop: threading.Event,
+        publish: Callable[[str, bytes], None] | None = None,
     ) -> None:
         self._name = config.name
         self._resync_on_unrepairable = config.resync_on_unrepairable
@@ -68,6 +69,8 @@ class Maintenance:
         self._link = link
         self._keys = keys
         self._status = status
+        self._publish = publish
+        """Remote snapshots: hands the status document to the snapshot writer for the export."""
         self._stop = stop
         self._wake = threading.Event()
         """Wakes the thread (a commit arrived, a repair is due now, or the node closes)."""
@@ -131,8 +134,11 @@ class Maintenance:
         path = self._status_file
         if path is None:
             return
+        text = json.dumps(self._status(), indent=1, sort_keys=True) + "\n"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            _atomic_write_text(path, json.dumps(self._status(), indent=1, sort_keys=True) + "\n")
+            _atomic_write_text(path, text)
         except OSError as exc:
             logger.warning("shadow %s: cannot write status file %s: %s", self._name, path, exc)
+        if self._publish is not None:
+            self._publish(f"status-{self._name}.json", text.encode("utf-8"))

@@ -201,6 +201,8 @@ class Snapshotter:
         """Due captures not yet written, by step (the newest ``policy.hold``)."""
         self._writing = False
         self._closing = False
+        self._status: tuple[str, bytes] | None = None
+        """Remote: the node's newest status document (file name, bytes) not yet on the export."""
         self._cond = threading.Condition()
         self._last_iteration: int | None = None
         self._last_time = time.monotonic()
@@ -236,6 +238,40 @@ class Snapshotter:
         self._last_iteration = iteration
         self._last_time = time.monotonic()
         return True
+
+    def publish_status(self, name: str, document: bytes) -> None:
+        """Remote: put the node's status document on the export as ``name`` (``status-<shadow>.json``).
+
+        Returns at once; the writer thread uploads the newest document given when no snapshot is
+        waiting (and after each snapshot it writes), so a restore from the URL can say how far the
+        shadows' memory was ahead of the step it read (``lost_iterations``). Nothing for a local
+        directory: the node writes its status file there itself.
+        """
+        if self.remote is None:
+            return
+        with self._cond:
+            self._status = (name, bytes(document))
+            self._cond.notify_all()
+
+    def _ready(self) -> bool:
+        """Something to do now (condition held): a held capture or a status, past any back-off."""
+        return (bool(self._held) or self._status is not None) and time.monotonic() >= self._retry_at
+
+    def _upload_status(self) -> None:
+        """Write the pending status document to the export (writer thread, no lock held)."""
+        with self._cond:
+            pending, self._status = self._status, None
+        if pending is None or self.remote is None:
+            return
+        name, document = pending
+        try:
+            self.remote.write_file(name, document)
+        except OSError as exc:
+            logger.warning("cannot put the status file %s on %s: %s", name, self.remote.url, exc)
+            with self._cond:  # not before the back-off, and not over a newer document
+                self._retry_at = max(self._retry_at, time.monotonic() + self._retry_s)
+                if self._status is None:
+                    self._status = pending
 
     def _stage_latest(self) -> None:
         """Copy the export's newest complete step into the local directory (replacing staged ones)."""
@@ -280,9 +316,9 @@ class Snapshotter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._closing and (not self._held or time.monotonic() < self._retry_at):
-                    wait = None if not self._held else self._retry_at - time.monotonic()
-                    self._cond.wait(wait)
+                while not self._closing and not self._ready():
+                    pending = self._held or self._status is not None
+                    self._cond.wait(self._retry_at - time.monotonic() if pending else None)
                 if self._closing and self._held and self.stats.failures_in_a_row:
                     logger.error(
                         "closing with %d snapshot(s) not written to %s (%s)",
@@ -291,9 +327,15 @@ class Snapshotter:
                         self.stats.failing,
                     )
                     self._held.clear()
-                if not self._held:
-                    return
+                    self._status = None
+                held = bool(self._held)
                 steps = sorted(self._held)
+            if not held:
+                self._upload_status()  # the newest status, when no snapshot waits (closing: the last one)
+                with self._cond:
+                    if self._closing and not self._held:
+                        return
+                continue
             unreachable: OSError | None = None
             try:
                 started = self._started(steps)  # may ask the server: not under the condition
@@ -319,6 +361,7 @@ class Snapshotter:
                 self._failed(snapshot, exc)
             else:
                 self._retry_at, self._retry_s = 0.0, RETRY_FIRST_S
+                self._upload_status()  # with each step written, how far memory was ahead of it
             finally:
                 with self._cond:
                     self._writing = False

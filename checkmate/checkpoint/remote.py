@@ -194,6 +194,13 @@ class RemoteRoot:
         self._write(self._step_path(step, f"{stem}.json"), storage.json_bytes(manifest))
         return f"{self.url}/{step_name(step)}/{stem}.json"
 
+    def write_file(self, name: str, data: bytes) -> None:
+        """A file directly under the root (``status-sh1.json``), whole or not at all (temporary, RENAME)."""
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"{name!r} is not a plain file name under {self.url}")
+        self._call("makedirs", self._path(), True, self.dir_mode)
+        self._write(self._path(name), data)
+
     def has_global(self, step: int) -> bool:
         """Whether ``step``'s global.json is on the export (another shard started the step)."""
         return GLOBAL_FILE in self._listdir(self._step_path(step))

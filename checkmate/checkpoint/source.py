@@ -118,8 +118,8 @@ def state_of_reader(reader: CheckpointReader, source: str = SOURCE_SNAPSHOT) -> 
 def shadows_reached(directory: str | Path) -> int | None:
     """The latest iteration any shadow reported applied in its status file in ``directory`` (None: none).
 
-    A remote directory (``nfs://``) holds none unless the shadows' status files were put there
-    (``--status-file`` is local): None, unknown.
+    A remote directory (``nfs://``) holds the ``status-<shadow>.json`` that the shadows' snapshot
+    writers put there (:meth:`shadow.snapshots.Snapshotter.publish_status`); None when it holds none.
     """
     reached = None
     url = url_of(directory)

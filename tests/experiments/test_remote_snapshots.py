@@ -204,6 +204,60 @@ def test_restore_reads_the_url_back(served: Served, tmp_path: Path) -> None:
 
 
 @needs_server
+def test_the_status_goes_to_the_export_so_a_restore_from_the_url_knows_what_it_lost(
+    served: Served, tmp_path: Path
+) -> None:
+    """The node hands its status to the writer; the export then holds ``status-<shadow>.json`` and a
+    restore from the URL says how far the shadows' memory was ahead of the step it read."""
+    url = served.url("status")
+    on_disk = served.export_dir / "status"
+    writer = Snapshotter(policy(url, tmp_path))
+    try:
+        assert writer.offer(4, lambda: snapshot(4))
+        assert writer.flush(30)
+        assert SnapshotDirectory(url).latest(timeout=20).lost_iterations is None  # no status yet: unknown
+        writer.publish_status("status-sh1.json", json.dumps({"applied_iteration": 6}).encode())
+        wait_for(lambda: (on_disk / "status-sh1.json").is_file())
+        # the newest document wins, and the last one given before close still goes out
+        writer.publish_status("status-sh1.json", json.dumps({"applied_iteration": 9}).encode())
+    finally:
+        writer.close()
+    assert json.loads((on_disk / "status-sh1.json").read_text()) == {"applied_iteration": 9}
+    assert not [p for p in on_disk.rglob(".*")]  # written whole: no temporary name left
+    assert fmt.complete_steps(on_disk) == [4]  # a status file is not a step
+    state = SnapshotDirectory(url).latest(timeout=20)
+    assert state.iteration == 4 and state.lost_iterations == 5
+    with pytest.raises(ValueError, match="plain file name"):
+        RemoteRoot(url).write_file("../escape.json", b"{}")
+
+
+def test_the_node_hands_its_status_to_the_remote_writer(tmp_path: Path) -> None:
+    """Maintenance writes the status file locally and gives the same document to the publisher."""
+    import threading
+    from types import SimpleNamespace
+
+    from shadow.node_maintenance import Maintenance
+
+    given: list[tuple[str, bytes]] = []
+    config = SimpleNamespace(
+        name="sh7", resync_on_unrepairable=True, status_file=tmp_path / "status-sh7.json", snapshots=None
+    )
+    maintenance = Maintenance(
+        config,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        lambda: {"applied_iteration": 3},
+        threading.Event(),
+        lambda name, document: given.append((name, document)),
+    )
+    maintenance.write_status()
+    assert given == [("status-sh7.json", (tmp_path / "status-sh7.json").read_bytes())]
+    assert json.loads(given[0][1]) == {"applied_iteration": 3}
+
+
+@needs_server
 def test_resume_stages_the_newest_complete_step_locally(served: Served, tmp_path: Path) -> None:
     url = served.url("resume")
     writer = Snapshotter(policy(url, tmp_path / "first"))
@@ -301,6 +355,7 @@ def test_an_unreachable_server_is_said_and_the_shadow_goes_on(served: Served, tm
         assert f"to {url} failed" in failing and UNREACHABLE in failing, failing
         assert disk_status(writer.policy.directory, 1)["newest_complete_step"] is None
         assert writer.offer(2, lambda: snapshot(2), force=True)  # still taking captures
+        writer.publish_status("status-sh1.json", b"{}")  # returns at once; its upload fails and is said
     finally:
         writer.close(timeout=1.0)
     with pytest.raises(nfs.NFSError):
@@ -333,3 +388,25 @@ def test_the_bench_starts_shadows_persisting_to_the_url_with_their_status_kept_l
     argv = started[0]
     assert argv[argv.index("--snapshot-dir") + 1] == "nfs://10.0.8.1/checkpoints/shadows"
     assert argv[argv.index("--status-file") + 1] == str(tmp_path / "snapshots" / "status-sh1.json")
+
+
+def test_the_workers_fall_back_to_where_the_shadows_persist(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the shadows on the storage host, train_lm's --snapshot-dir (its resume's fallback when
+    the shadows' memory is gone) is the same URL; with local snapshots, the run's directory."""
+    from experiments import job as module
+    from experiments.bench.storage_host import SHADOW_SNAPSHOTS, storage_url
+    from experiments.job_config import JobConfig
+
+    monkeypatch.setattr(module, "secret_env", lambda job_file, env: {})
+    run = module.JobRun(JobConfig(work_dir=tmp_path, results_dir=None))
+    monkeypatch.setattr(run, "address", lambda host: "10.0.0.1")
+
+    def fallback() -> str:
+        args = list(run.launch_config(tmp_path / "logs", tmp_path / "job.json", (), False).command)
+        return args[args.index("--snapshot-dir") + 1]
+
+    assert fallback() == str(run.snapshot_dir)
+    run.shadows.snapshot_url = storage_url(SHADOW_SNAPSHOTS)
+    assert fallback() == "nfs://10.0.8.1/checkpoints/shadows"

@@ -127,6 +127,8 @@ def cases(tmp: Path) -> dict[str, list[tuple[list[str], set[int], str]]]:
             (["run", "--name", "s", "--repair-grace", "-1"], {2}, "not negative"),
             (["run", "--name", "s", "--repair-max-grace", "nan"], {2}, "finite"),
             (["run", "--name", "s", "--repair-timeout", "soon"], {2}, "not a number of seconds"),
+            (["run", "--name", "s", "--snapshot-timeout", "0"], {2}, "above zero"),
+            (["run", "--name", "s", "--snapshot-timeout", "inf"], {2}, "finite"),
             (["run", "--name", "s", "--control", "203.0.113.9:0"], {1}, "203.0.113.9"),
             (["status", "127.0.0.1:1", "--timeout", "1"], {1}, "checkmate-shadow:"),
         ],
