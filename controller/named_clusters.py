@@ -14,7 +14,10 @@ from pathlib import Path
 from controller.cluster_inputs import DEFAULT_BENCH, ClusterConfig, CompareError, Source
 
 LLAMA3 = "The Llama 3 Herd of Models (Llama Team, AI @ Meta, 2024)"
-CHECKMATE_PAPER = "Checkmate: Zero-Overhead Model Checkpointing via Network Gradient Replication (NSDI 2024)"
+CHECKMATE_PAPER = (
+    "Checkmate: Zero Performance Overhead Model Checkpointing via Network Gradient Replication "
+    "(Bhardwaj, Wang, Carin, Belay, Ghobadi; NSDI '26; arXiv:2507.13522)"
+)
 
 
 def measured_lag(bench: Path | None = None) -> tuple[float, Source]:
@@ -131,12 +134,12 @@ def _llama3() -> ClusterConfig:
 
 def _testbed() -> ClusterConfig:
     lag, lag_source = measured_lag()
-    unknown = "not recalled with confidence from the paper: a stand-in, not the testbed's figure"
+    unknown = "not in the paper's abstract or introduction, read here: a stand-in, not the testbed's figure"
     return ClusterConfig(
         name="checkmate-testbed",
         description=(
             f"a stand-in for the published testbed ({CHECKMATE_PAPER}): every figure assumed, "
-            "none could be cited with confidence"
+            "none of the testbed's figures could be read here (its abstract and introduction were)"
         ),
         gpus=8,
         gpu_memory_gib=40.0,
@@ -169,7 +172,8 @@ def _testbed() -> ClusterConfig:
             "dp": Source("assumed", "pure data parallelism over the 8 GPUs"),
             "model_parallel": Source("assumed", "no model parallelism"),
             "storage": Source(
-                "assumed", "local NVMe SSDs (where the testbed wrote was not recalled with confidence)"
+                "assumed",
+                "local NVMe SSDs (where the testbed wrote is not in the parts of the paper read here)",
             ),
             "storage_write_gbytes_per_s": Source("assumed", "8 local NVMe SSDs at 2 GB/s each"),
             "checkpoint_writers": Source("assumed", "each server writes an equal share to its own SSD"),
