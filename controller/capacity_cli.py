@@ -27,7 +27,7 @@ from controller.capacity_inputs import (
     PlanError,
 )
 from controller.cluster_bench_check import machine_check
-from controller.cluster_inputs import CompareError, with_overrides
+from controller.cluster_inputs import DEFAULT_BENCH, CompareError, with_overrides
 from controller.cluster_model import compare
 from controller.cluster_render import machine_markdown, render_text
 from controller.named_clusters import CONFIGS, named
@@ -223,9 +223,13 @@ def add_plan_parser(commands: Any) -> None:
     )
     p.add_argument(
         "--check-bench",
-        action="store_true",
+        nargs="?",
+        type=Path,
+        const=DEFAULT_BENCH,
+        default=None,
+        metavar="BENCH_JSON",
         help="with --compare: also set the model, fed this machine's measured figures, "
-        "next to make bench's ratios",
+        "next to make bench's ratios (from BENCH_JSON, default results/bench.json)",
     )
 
 
@@ -290,13 +294,13 @@ def run_compare(args: argparse.Namespace, prog: str = "checkmate-ctl") -> int:
     try:
         configs = [with_overrides(named(name), overrides) for name in (args.compare or list(CONFIGS))]
         comparisons = [compare(config, args.shadow_bench) for config in configs]
-        checks = machine_check() if args.check_bench else []
+        checks = machine_check(args.check_bench) if args.check_bench is not None else []
     except CompareError as exc:
         print(f"{prog}: error: plan --compare: {exc}", file=sys.stderr)
         return 2
     if args.json:
         document: dict[str, Any] = {"clusters": [c.to_json() for c in comparisons]}
-        if args.check_bench:
+        if args.check_bench is not None:
             document["machine_check"] = [
                 {**asdict(check), "rows": [{**asdict(r), "error": r.error} for r in check.rows]}
                 for check in checks
@@ -304,8 +308,8 @@ def run_compare(args: argparse.Namespace, prog: str = "checkmate-ctl") -> int:
         print(json.dumps(document, indent=2))
         return 0
     print(render_text(comparisons))
-    if args.check_bench:
-        print("\nthe model fed this machine's measured figures, next to make bench (results/bench.json):")
+    if args.check_bench is not None:
+        print(f"\nthe model fed this machine's measured figures, next to make bench ({args.check_bench}):")
         print("\n".join(machine_markdown(checks)))
     return 0
 
@@ -314,7 +318,7 @@ def run_plan(args: argparse.Namespace, prog: str = "checkmate-ctl") -> int:
     """``checkmate-ctl plan``: print the plan; 1 with the limiting resource when none fits."""
     if args.compare is not None:
         return run_compare(args, prog)
-    if args.compare_set or args.check_bench:
+    if args.compare_set or args.check_bench is not None:
         print(f"{prog}: error: plan: --set and --check-bench go with --compare", file=sys.stderr)
         return 2
     missing = [flag for flag, value in _size_flags(args) if value is None]

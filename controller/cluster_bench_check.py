@@ -55,6 +55,8 @@ class MachineCheck:
     write_s: float
     rows: tuple[MachineRow, ...]
     write_rate_source: str = "results/shadow_disk_bench.json, the nearest size, measured"
+    storage: str = "local"
+    """Where the run's peers wrote: ``local`` (this machine's disk) or ``remote`` (the storage host)."""
 
 
 def _state_bytes(run: Mapping[str, Any]) -> tuple[float, str]:
@@ -166,7 +168,15 @@ def machine_check(bench: Path = DEFAULT_BENCH, disk_bench: Path = DEFAULT_DISK_B
             )
         checks.append(
             MachineCheck(
-                run["workload"], T * 1e3, state, state_source, rate / 1e6, write_s, tuple(rows), rate_source
+                run["workload"],
+                T * 1e3,
+                state,
+                state_source,
+                rate / 1e6,
+                write_s,
+                tuple(rows),
+                rate_source,
+                str(run.get("storage") or run.get("settings", {}).get("storage") or "local"),
             )
         )
     return checks

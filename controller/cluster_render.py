@@ -199,7 +199,8 @@ def _error_summary(check: MachineCheck) -> list[str]:
         within = sum(abs(r.error) <= 0.15 for r in rows)
         worst = max(rows, key=lambda r: abs(r.error))
         lines.append(
-            f"- {check.workload}, {MODELLED[system]}: {within} of {len(rows)} within 15 %, "
+            f"- {check.workload} ({check.storage} storage), {MODELLED[system]}: "
+            f"{within} of {len(rows)} within 15 %, "
             f"largest error {worst.error:+.1%} ({worst.system})"
         )
     return lines
@@ -210,12 +211,13 @@ def machine_markdown(checks: Iterable[MachineCheck]) -> list[str]:
     rows: list[str] = []
     for check in checks:
         rows += [
-            f"**{check.workload}** (partitioned): iteration {check.iteration_ms:,.1f} ms "
+            f"**{check.workload}** (partitioned, {check.storage} storage): "
+            f"iteration {check.iteration_ms:,.1f} ms "
             f"(`ideal-gloo`, measured); state {check.state_bytes / 1e6:,.1f} MB ({check.state_source}); "
             f"write {check.write_rate_mb_s:,.0f} MB/s ({check.write_rate_source}) = "
             f"{_duration(check.write_s)}; snapshot at 5 GB/s (assumed); one writer (rank 0 saves everything)",
             "",
-            "| system | modelled as | every k | predicted ratio to its ideal | measured (results/bench.json) "
+            "| system | modelled as | every k | predicted ratio to its ideal | measured (bench.json) "
             "| error | within 15 % |",
             "|---|---|---:|---:|---:|---:|---|",
         ]

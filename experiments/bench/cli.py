@@ -172,11 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--storage",
-        default=defaults.storage,
+        default=None,
         help="where the peers' checkpoints and the shadows' snapshots go: local (this machine's disk), "
         "remote (an NFS server, nfs-ganesha, on its own host of the emulated network, its link shaped "
         "with tbf to --storage-cluster's checkpoint-write-to-all-reduce time ratio), or local,remote: "
-        "each workload and placement runs on both, reported side by side",
+        "each workload and placement runs on both, reported side by side (default per workload: "
+        + ", ".join(f"{w.name} {','.join(w.storages)}" for w in WORKLOADS.values())
+        + ")",
     )
     parser.add_argument(
         "--storage-cluster",
@@ -241,11 +243,19 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
         raise BenchError(f"--syscalls must be 0 (off) to 10000 iterations, got {args.syscalls}")
     if args.syscalls and not SyscallWindow.available():
         raise BenchError("--syscalls needs strace on PATH (apt-get install strace)")
-    storages = tuple(dict.fromkeys(s.strip() for s in args.storage.split(",")))
-    unknown = [s for s in storages if s not in STORAGES]
-    if unknown:
-        raise BenchError(f"--storage: unknown {', '.join(map(repr, unknown))} (local, remote, local,remote)")
-    if "remote" in storages:
+    given_storages = None
+    if args.storage is not None:
+        given_storages = tuple(dict.fromkeys(s.strip() for s in args.storage.split(",")))
+        unknown = [s for s in given_storages if s not in STORAGES]
+        if unknown or not given_storages:
+            raise BenchError(
+                f"--storage: unknown {', '.join(map(repr, unknown)) or repr(args.storage)} "
+                "(local, remote, local,remote)"
+            )
+    storages_of = {
+        name: given_storages if given_storages is not None else WORKLOADS[name].storages for name in workloads
+    }
+    if any("remote" in storages for storages in storages_of.values()):
         from controller.named_clusters import CONFIGS
         from experiments.bench.storage_host import ganesha_missing
 
@@ -255,12 +265,23 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
             )
         if args.storage_mbit is not None and not 0 < args.storage_mbit <= 100_000:
             raise BenchError(f"--storage-mbit must be above 0 and at most 100000, got {args.storage_mbit}")
+        if args.no_emulation_check and args.storage_mbit is None:
+            raise BenchError(
+                "remote storage's link is shaped from the fabric's busbw that the emulation check measures: "
+                "give --storage-mbit with --no-emulation-check"
+                + (" (or --storage local)" if given_storages is None else "")
+            )
         missing = ganesha_missing()
         if missing is None:
             from checkmate.nfs import available
 
             missing = available()
         if missing is not None:
+            if given_storages is None:  # remote by the workload's default, not asked for
+                raise BenchError(
+                    f"{', '.join(n for n, st in storages_of.items() if 'remote' in st)} also runs on remote "
+                    f"storage by default, which cannot run here: {missing} (--storage local skips it)"
+                )
             raise BenchError(f"--storage remote: {missing}")
     elif args.storage_mbit is not None:
         raise BenchError("--storage-mbit needs --storage remote")
@@ -290,7 +311,7 @@ def plan_from(args: argparse.Namespace, command: str) -> list[BenchConfig]:
             raise BenchError(f"{name}: {iterations} iterations must exceed --warmup ({args.warmup}) + 2")
         sweep_ks = given_ks if given_ks is not None else workload.sweep_ks
         placements = placements_of[name]
-        for placement, storage in ((p, s) for p in placements for s in storages):
+        for placement, storage in ((p, s) for p in placements for s in storages_of[name]):
             swept = placement == placements[0]
             ks = sweep_ks if swept else ()
             if everything:

@@ -130,6 +130,8 @@ class Workload:
     """The k sweep unless --sweep-k says otherwise (each k needs warmup + 3k + 2 iterations)."""
     placements: tuple[str, ...] = ("partitioned", "colocated")
     """The placements unless --placement says otherwise (the first also runs the sweep)."""
+    storages: tuple[str, ...] = ("local",)
+    """Where the peers write unless --storage says otherwise (each placement runs on each)."""
 
 
 WORKLOADS = {
@@ -141,7 +143,8 @@ WORKLOADS = {
                  "~260 MB of parameters + AdamW state), 1 sample of 32 bytes per worker, 8 MB buckets",
                  ("--width", "768", "--layers", "3", "--heads", "12", "--context", "32",
                   "--bucket-cap-mb", "8"), 1, 30,
-                 rounds=1, sweep_ks=(1, 2, 4, 8), placements=("partitioned",)),
+                 rounds=1, sweep_ks=(1, 2, 4, 8), placements=("partitioned",),
+                 storages=("local", "remote")),
         Workload("medium", "TinyLM at width 256, 4 layers, 8 heads (~3.2M parameters), 4 samples of 64 bytes "
                  "per worker, 2 MB buckets (the scaling sweep's middle size)",
                  ("--width", "256", "--layers", "4", "--heads", "8", "--bucket-cap-mb", "2"), 4, 60),

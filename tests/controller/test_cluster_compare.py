@@ -243,7 +243,9 @@ def test_the_machine_check_takes_the_runs_own_storage_measurement(tmp_path: Path
     assert check.write_rate_mb_s == pytest.approx(100.0) and "shadow_disk_bench" in check.write_rate_source
 
 
-def test_the_machine_check_takes_the_remote_storage_the_peers_wrote_to(tmp_path: Path) -> None:
+def test_the_machine_check_takes_the_remote_storage_the_peers_wrote_to(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """--storage remote: the storage host's durable NFS rate, not the local directory's."""
     bench, disk = _bench_files(tmp_path, 0.5)
     document = json.loads(bench.read_text())
@@ -251,10 +253,18 @@ def test_the_machine_check_takes_the_remote_storage_the_peers_wrote_to(tmp_path:
         "storage": {"bytes": 100_000_000, "buffered_MBps": 400.0, "durable_MBps": 90.0},
         "remote_storage": {"bytes": 100_000_000, "written_MBps": 30.0, "durable_MBps": 25.0},
     }
+    document["runs"][0]["storage"] = "remote"
     bench.write_text(json.dumps(document))
     (check,) = machine_check(bench, disk)
     assert check.write_rate_mb_s == pytest.approx(25.0) and check.write_s == pytest.approx(4.0)
     assert "emulation.remote_storage" in check.write_rate_source
+    assert check.storage == "remote" and "**big** (partitioned, remote storage)" in machine_markdown([check])[0]
+    # checkmate-ctl plan --compare --check-bench BENCH_JSON reads that file (default results/bench.json)
+    assert ctl_main(["plan", "--compare", "llama3-405b", "--json", "--check-bench", str(bench)]) == 0
+    (checked,) = json.loads(capsys.readouterr().out)["machine_check"]
+    assert (checked["storage"], checked["write_rate_mb_s"]) == ("remote", pytest.approx(25.0))
+    assert ctl_main(["plan", "--compare", "llama3-405b", "--check-bench", str(tmp_path / "none.json")]) == 2
+    assert "cannot read the measured results" in capsys.readouterr().err
     # a remote probe at another size falls back to the local measurement of the right size
     document["runs"][0]["emulation"]["remote_storage"]["bytes"] = 1_000_000
     bench.write_text(json.dumps(document))

@@ -152,8 +152,9 @@ def _plan(*argv: str) -> list[BenchConfig]:
 
 def test_plan_runs_each_workload_in_each_placement() -> None:
     plan = _plan(
-        "--worker-cpus", "0", "--infra-cpus", "1", "--sweep-k", "1,4", "--placement", "partitioned,colocated"
-    )
+        "--worker-cpus", "0", "--infra-cpus", "1", "--sweep-k", "1,4", "--placement", "partitioned,colocated",
+        "--storage", "local",  # large-state's remote column: test_storage_host
+    )  # fmt: skip
     assert [(c.workload, c.placement) for c in plan] == [
         ("tinylm", "partitioned"),
         ("tinylm", "colocated"),
@@ -176,19 +177,25 @@ def test_plan_runs_each_workload_in_each_placement() -> None:
     assert five[0].global_batch == 80 and five[0].workers == 5
 
 
-def test_default_plan_uses_each_workloads_own_rounds_sweep_and_placements() -> None:
+def test_default_plan_uses_each_workloads_own_rounds_sweep_and_placements(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("experiments.bench.storage_host.ganesha_missing", lambda: None)  # only planned
+    monkeypatch.setattr("checkmate.nfs.available", lambda: None)
     plan = _plan("--worker-cpus", "0", "--infra-cpus", "1")
-    assert [(c.workload, c.placement, c.rounds, c.sweep_ks) for c in plan] == [
-        ("tinylm", "partitioned", 2, (1, 2, 4, 8, 16)),
-        ("tinylm", "colocated", 2, ()),
-        ("large-state", "partitioned", 1, (1, 2, 4, 8)),
+    assert [(c.workload, c.placement, c.rounds, c.sweep_ks, c.storage) for c in plan] == [
+        ("tinylm", "partitioned", 2, (1, 2, 4, 8, 16), "local"),
+        ("tinylm", "colocated", 2, (), "local"),
+        ("large-state", "partitioned", 1, (1, 2, 4, 8), "local"),
+        ("large-state", "partitioned", 1, (1, 2, 4, 8), "remote"),  # the sweep on both storages
     ]
-    first, colocated, large = (list(c.systems) for c in plan)
+    first, colocated, large, large_remote = (list(c.systems) for c in plan)
+    assert large == large_remote
     assert first[: len(DEFAULT_SYSTEMS)] == list(DEFAULT_SYSTEMS) and colocated == list(DEFAULT_SYSTEMS)
     assert "torch-save-10" not in first and {"torch-save-16", "dcp-process-2", "checkfreq-8"} <= set(first)
     assert len(first) == len(set(first)) == len(DEFAULT_SYSTEMS) + 3 * 4  # k = 1 runs once
     assert "checkfreq-16" not in large and "checkfreq-8" in large
-    given = _plan("--rounds", "3", "--sweep-k", "", "--placement", "colocated")
+    given = _plan("--rounds", "3", "--sweep-k", "", "--placement", "colocated", "--storage", "local")
     assert [(c.workload, c.rounds, c.sweep_ks) for c in given] == [("tinylm", 3, ()), ("large-state", 3, ())]
     everything = _plan("--systems", "all", "--workloads", "tinylm", "--placement", "colocated", "--k", "10")
     assert "torch-save-10" in [s.name for s in everything[0].selected()]

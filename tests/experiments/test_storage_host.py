@@ -173,6 +173,48 @@ def test_the_storage_options_are_checked_before_anything_starts() -> None:
         assert (remote.storage, remote.storage_mbit) == ("remote", 200.0)  # type: ignore[attr-defined]
 
 
+def test_large_state_runs_on_both_storages_by_default_and_tinylm_on_local(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without --storage each workload runs where its figures mean something: large-state (where
+    writing the state takes longer than an iteration) on local and remote storage, TinyLM locally;
+    --storage overrides it for every workload."""
+    from experiments.bench import cli
+    from experiments.bench import storage_host as host
+    from experiments.bench.config import BenchError
+
+    monkeypatch.setattr(host, "ganesha_missing", lambda: None)  # the plan only; nothing is started
+    monkeypatch.setattr("checkmate.nfs.available", lambda: None)
+
+    def plan(*argv: str) -> list[tuple[str, str, str]]:
+        args = cli.build_parser().parse_args(["--workloads", "tinylm,large-state", "--sweep-k", "", *argv])
+        return [(c.workload, c.placement, c.storage) for c in cli.plan_from(args, "x")]
+
+    assert plan() == [
+        ("tinylm", "partitioned", "local"),
+        ("tinylm", "colocated", "local"),
+        ("large-state", "partitioned", "local"),
+        ("large-state", "partitioned", "remote"),
+    ]
+    assert {storage for _, _, storage in plan("--storage", "local")} == {"local"}
+    assert {storage for _, _, storage in plan("--storage", "remote", "--no-emulation-check",
+                                              "--storage-mbit", "200")} == {"remote"}  # fmt: skip
+    # remote storage's link is shaped from the busbw the emulation check measures
+    with pytest.raises(
+        BenchError, match="give --storage-mbit with --no-emulation-check \\(or --storage local\\)"
+    ):
+        plan("--no-emulation-check")
+    # where no NFS server can run, the default says so and names the way out
+    monkeypatch.setattr(host, "ganesha_missing", lambda: "nfs-ganesha is not installed")
+    with pytest.raises(
+        BenchError, match="large-state also runs on remote storage by default.*--storage local"
+    ):
+        plan()
+    assert {storage for _, _, storage in plan("--storage", "local")} == {"local"}
+    with pytest.raises(BenchError, match="--storage: unknown"):
+        plan("--storage", ",")
+
+
 def test_the_docs_header_names_the_remote_storage_and_its_shaping() -> None:
     from experiments.bench.emulation import header_line
 
