@@ -25,7 +25,7 @@ from typing import Any
 from controller.capacity import PlanInfeasible, PlanRequest, plan
 from controller.capacity_inputs import DEFAULT_SHADOW_BENCH, PlanError
 from controller.cluster_bench_check import machine_check
-from controller.cluster_inputs import DEFAULT_BENCH, CompareError
+from controller.cluster_inputs import DEFAULT_BENCH, STORAGE_BENCH, CompareError
 from controller.cluster_model import compare
 from controller.cluster_render import machine_markdown, markdown, storage_sensitivity
 from controller.named_clusters import CONFIGS, named
@@ -231,10 +231,16 @@ def render_compare(shadow_bench: Path = DEFAULT_SHADOW_BENCH) -> str:
         *storage_sensitivity("llama3-405b", shadow_bench=shadow_bench),
     ]
     lines += ["", "### The model against make bench", ""]
-    try:
-        lines += machine_markdown(machine_check())
-    except CompareError as exc:
-        lines.append(f"(no check: {exc})")
+    for bench in (DEFAULT_BENCH, STORAGE_BENCH):
+        if bench != DEFAULT_BENCH and not bench.is_file():
+            continue
+        lines += [f"From `results/{bench.name}`:", ""]
+        try:
+            lines += machine_markdown(machine_check(bench))
+        except CompareError as exc:
+            lines.append(f"(no check: {exc})")
+        lines.append("")
+    lines.pop()
     lines += ["", COMPARE_END]
     return "\n".join(lines)
 

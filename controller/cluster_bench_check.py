@@ -38,6 +38,8 @@ class MachineRow:
     k: int
     predicted_ratio: float
     measured_ratio: float
+    writers: int = 1
+    """Ranks that each write the whole state (DCP in a process: every rank, see :func:`machine_check`)."""
 
     @property
     def error(self) -> float:
@@ -56,6 +58,9 @@ class MachineCheck:
     rows: tuple[MachineRow, ...]
     write_rate_source: str = "results/shadow_disk_bench.json, the nearest size, measured"
     storage: str = "local"
+    persist_cpu_s: float = 0.0
+    """CPU seconds one checkpoint's write takes on the writer's CPU (0: not measured)."""
+    persist_cpu_source: str = "not measured (an older bench.json): 0"
     """Where the run's peers wrote: ``local`` (this machine's disk) or ``remote`` (the storage host)."""
 
 
@@ -78,6 +83,31 @@ def _write_rate(disk_bench: Mapping[str, Any], state_bytes: float) -> float:
         raise CompareError("results/shadow_disk_bench.json has no measured writes")
     best = min(rows, key=lambda r: abs(math.log(r["bytes_written"] / state_bytes)))
     return float(best["bytes_written"]) / float(best["seconds_per_write"])
+
+
+def _persist_cpu(run: Mapping[str, Any], state_bytes: float) -> tuple[float, str] | None:
+    """CPU seconds of one checkpoint-sized write on the workers' CPU set, and where it is from.
+
+    Remote storage: the storage probe's own CPU time per write (``cpu_s_per_write``: the NFS
+    client's work, run on the workers' CPU set). Local storage: the buffered write's wall time,
+    which is CPU (a page-cache write is a copy in the kernel). None when not measured, or at
+    another size than this checkpoint's.
+    """
+    emulation = run.get("emulation") or {}
+    key = "remote_storage" if (run.get("storage") or "local") == "remote" else "storage"
+    measured = emulation.get(key) or {}
+    if not measured.get("bytes") or abs(math.log(float(measured["bytes"]) / state_bytes)) > math.log(2):
+        return None
+    if key == "remote_storage":
+        cpu = measured.get("cpu_s_per_write")
+        source = "bench.json emulation.remote_storage.cpu_s_per_write: the probe's CPU per write, measured"
+    else:
+        buffered = measured.get("buffered_s") or []
+        cpu = sorted(buffered)[len(buffered) // 2] if buffered else None
+        source = "bench.json emulation.storage.buffered_s: a page-cache write's time, which is CPU, measured"
+    if not isinstance(cpu, (int, float)) or cpu < 0:
+        return None
+    return float(cpu), source
 
 
 def _run_write_rate(run: Mapping[str, Any], state_bytes: float) -> tuple[float, str] | None:
@@ -117,7 +147,14 @@ def machine_check(bench: Path = DEFAULT_BENCH, disk_bench: Path = DEFAULT_DISK_B
     ``emulation.remote_storage`` with ``--storage remote``, else ``emulation.storage``), else
     the shadow disk benchmark's at the nearest
     size; one writer (rank 0 saves everything), the snapshot a copy in host memory (assumed
-    5 GB/s). Each peer's predicted ratio to its ideal is ``1 / (1 + overhead(k))``;
+    5 GB/s). DCP in a process (``dcp-process``, ``use_collectives=False``) plans without the
+    other ranks, so each rank writes the whole replicated state: the run's workers times the
+    bytes through the same storage (seen in the bench's counters: every rank sends one
+    checkpoint's size per checkpoint, where ``torch.save`` and DCP with collectives send it once).
+    A background persist (CheckFreq, DCP) hides the wait for the storage but not its CPU: here
+    the writer shares the workers' CPU set with training, so its CPU per checkpoint (measured by
+    the run's storage probe, :func:`_persist_cpu`) is added to the checkpoint's cost; on the
+    clusters it is 0. Each peer's predicted ratio to its ideal is ``1 / (1 + overhead(k))``;
     Checkmate's is ``1 / (1 + 0)``.
     """
     try:
@@ -147,6 +184,11 @@ def machine_check(bench: Path = DEFAULT_BENCH, disk_bench: Path = DEFAULT_DISK_B
             rate_source = MachineCheck.write_rate_source
         write_s = state / rate
         snapshot_s = state / 5e9
+        workers = int(run.get("settings", {}).get("workers") or 1)
+        persist = _persist_cpu(run, state)
+        persist_cpu, persist_source = (
+            persist if persist is not None else (0.0, MachineCheck.persist_cpu_source)
+        )
         rows = []
         for name, s in systems.items():
             k = s.get("checkpoint_every")
@@ -162,9 +204,21 @@ def machine_check(bench: Path = DEFAULT_BENCH, disk_bench: Path = DEFAULT_DISK_B
             }.get(family if name != "checkmate" else "checkmate")
             if model_system is None:
                 continue
-            predicted = 1 / (1 + overhead(model_system, int(k), snapshot_s, write_s, T))
+            writers = workers if family == "dcp-process" else 1
+            predicted = 1 / (
+                1
+                + overhead(model_system, int(k), snapshot_s, write_s * writers, T, 0.0, persist_cpu * writers)
+            )
             rows.append(
-                MachineRow(run["workload"], name, model_system, int(k), predicted, float(s["ratio_to_ideal"]))
+                MachineRow(
+                    run["workload"],
+                    name,
+                    model_system,
+                    int(k),
+                    predicted,
+                    float(s["ratio_to_ideal"]),
+                    writers,
+                )
             )
         checks.append(
             MachineCheck(
@@ -177,6 +231,8 @@ def machine_check(bench: Path = DEFAULT_BENCH, disk_bench: Path = DEFAULT_DISK_B
                 tuple(rows),
                 rate_source,
                 str(run.get("storage") or run.get("settings", {}).get("storage") or "local"),
+                persist_cpu,
+                persist_source,
             )
         )
     return checks

@@ -22,6 +22,8 @@ SourceKind = Literal["cited", "derived", "measured", "assumed", "given"]
 
 SWITCHES = ("bmv2", "embedded", "tofino", "tofino2")
 DEFAULT_BENCH = MEASURED / "bench.json"
+STORAGE_BENCH = MEASURED / "bench_large_state_storage.json"
+"""make bench's large-state workload on local and remote storage (issue 27), when run on its own."""
 
 
 class CompareError(ValueError):

@@ -112,9 +112,21 @@ def write_seconds(config: ClusterConfig) -> float:
 
 
 def overhead(
-    system: str, k: int, snapshot_s: float, write_s: float, iteration_s: float, checkmate: float = 0.0
+    system: str,
+    k: int,
+    snapshot_s: float,
+    write_s: float,
+    iteration_s: float,
+    checkmate: float = 0.0,
+    persist_cpu_s: float = 0.0,
 ) -> float:
-    """Share of an iteration lost to checkpointing every ``k`` iterations."""
+    """Share of an iteration lost to checkpointing every ``k`` iterations.
+
+    ``persist_cpu_s``: CPU time a background persist takes from training per checkpoint, where
+    the writer shares its CPU with the training (0 on the clusters: training runs on the GPUs
+    and the persist on host cores of its own; this machine's check sets it, see
+    :mod:`controller.cluster_bench_check`). A synchronous save already pays it inside ``write_s``.
+    """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     if system == "checkmate":
@@ -122,7 +134,7 @@ def overhead(
     if system == "torch-save":
         return (snapshot_s + write_s) / (k * iteration_s)
     if system in ("checkfreq", "dcp-async"):
-        return (snapshot_s + max(0.0, write_s - k * iteration_s)) / (k * iteration_s)
+        return (snapshot_s + max(0.0, write_s - k * iteration_s) + persist_cpu_s) / (k * iteration_s)
     raise ValueError(f"unknown system {system!r}")
 
 

@@ -215,14 +215,18 @@ def machine_markdown(checks: Iterable[MachineCheck]) -> list[str]:
             f"iteration {check.iteration_ms:,.1f} ms "
             f"(`ideal-gloo`, measured); state {check.state_bytes / 1e6:,.1f} MB ({check.state_source}); "
             f"write {check.write_rate_mb_s:,.0f} MB/s ({check.write_rate_source}) = "
-            f"{_duration(check.write_s)}; snapshot at 5 GB/s (assumed); one writer (rank 0 saves everything)",
+            f"{_duration(check.write_s)}; snapshot at 5 GB/s (assumed); "
+            "one writer (rank 0 saves everything); a background persist's CPU on the workers' CPU set "
+            f"{_duration(check.persist_cpu_s)} per checkpoint ({check.persist_cpu_source})",
             "",
             "| system | modelled as | every k | predicted ratio to its ideal | measured (bench.json) "
             "| error | within 15 % |",
             "|---|---|---:|---:|---:|---:|---|",
         ]
         rows += [
-            f"| {r.system} | {MODELLED[r.modelled_as]} | {r.k} | {r.predicted_ratio:.3f} | "
+            f"| {r.system} | {MODELLED[r.modelled_as]}"
+            + (f", {r.writers} ranks each writing the whole state" if r.writers > 1 else "")
+            + f" | {r.k} | {r.predicted_ratio:.3f} | "
             f"{r.measured_ratio:.3f} | {r.error:+.1%} | {'yes' if abs(r.error) <= 0.15 else '**no**'} |"
             for r in check.rows
         ]

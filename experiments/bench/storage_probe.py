@@ -4,7 +4,9 @@ Run by :func:`experiments.bench.emulation.remote_storage_rate` inside a worker h
 namespaces, so that the bytes take the workers' path to the storage host: the emulated
 switch and the shaped link. Each write is ``BYTES`` of random data through
 :mod:`checkmate.nfs` (as a peer's ``torch.save`` writes): ``written`` when the server has
-answered every WRITE, ``durable`` after the COMMIT and CLOSE. Exit 1 with the error on stderr.
+answered every WRITE, ``durable`` after the COMMIT and CLOSE; ``cpu_s``: the CPU time this
+process spent on each write (the client's work, on the workers' CPU set: what a background
+persist takes from training even when it hides the wait). Exit 1 with the error on stderr.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ def probe(url: str, nbytes: int, writes: int, timeout: float = nfs.DEFAULT_TIMEO
     chunk = os.urandom(min(CHUNK, nbytes))
     written: list[float] = []
     durable: list[float] = []
+    cpu: list[float] = []
     client, directory = nfs.NFSClient.from_url(url, timeout)
     with client:
         client.makedirs(directory)
         for i in range(writes):
             path = f"{directory.rstrip('/')}/.storage-probe-{os.getpid()}-{i}"
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             stream = client.open(path, "wb", buffering=0)
             try:
                 left = nbytes
@@ -40,6 +43,7 @@ def probe(url: str, nbytes: int, writes: int, timeout: float = nfs.DEFAULT_TIMEO
             finally:
                 stream.close()  # COMMIT, then CLOSE
             durable.append(time.perf_counter() - started)
+            cpu.append(time.process_time() - cpu_started)
             client.unlink(path)
     return {
         "url": url,
@@ -49,6 +53,8 @@ def probe(url: str, nbytes: int, writes: int, timeout: float = nfs.DEFAULT_TIMEO
         "durable_MBps": nbytes / statistics.median(durable) / 1e6,
         "written_s": [round(s, 6) for s in written],
         "durable_s": [round(s, 6) for s in durable],
+        "cpu_s": [round(s, 6) for s in cpu],
+        "cpu_s_per_write": statistics.median(cpu),
     }
 
 

@@ -258,7 +258,9 @@ def test_the_machine_check_takes_the_remote_storage_the_peers_wrote_to(
     (check,) = machine_check(bench, disk)
     assert check.write_rate_mb_s == pytest.approx(25.0) and check.write_s == pytest.approx(4.0)
     assert "emulation.remote_storage" in check.write_rate_source
-    assert check.storage == "remote" and "**big** (partitioned, remote storage)" in machine_markdown([check])[0]
+    assert (
+        check.storage == "remote" and "**big** (partitioned, remote storage)" in machine_markdown([check])[0]
+    )
     # checkmate-ctl plan --compare --check-bench BENCH_JSON reads that file (default results/bench.json)
     assert ctl_main(["plan", "--compare", "llama3-405b", "--json", "--check-bench", str(bench)]) == 0
     (checked,) = json.loads(capsys.readouterr().out)["machine_check"]
@@ -270,6 +272,48 @@ def test_the_machine_check_takes_the_remote_storage_the_peers_wrote_to(
     bench.write_text(json.dumps(document))
     (check,) = machine_check(bench, disk)
     assert check.write_rate_mb_s == pytest.approx(400.0)
+
+
+def test_a_background_persist_pays_its_measured_cpu_and_dcp_in_a_process_writes_from_every_rank(
+    tmp_path: Path,
+) -> None:
+    """On this machine the writer shares the workers' CPU: CheckFreq and DCP hide the wait for the
+    storage, not the client's CPU (the probe's, per write); DCP without collectives writes the whole
+    state from every rank. torch.save pays the CPU inside its measured write already."""
+    bench, disk = _bench_files(tmp_path, 0.5)
+    document = json.loads(bench.read_text())
+    run = document["runs"][0]
+    run["storage"] = "remote"
+    run["settings"]["workers"] = 3
+    run["emulation"] = {
+        "remote_storage": {"bytes": 100_000_000, "durable_MBps": 50.0, "cpu_s_per_write": 0.25},
+        "storage": {"bytes": 100_000_000, "buffered_MBps": 1000.0, "buffered_s": [0.1, 0.12, 0.11]},
+    }
+    run["systems"] += [
+        {"name": "checkfreq-4", "checkpoint_every": 4, "ratio_to_ideal": 0.5},
+        {"name": "dcp-process-4", "checkpoint_every": 4, "ratio_to_ideal": 0.5},
+    ]
+    bench.write_text(json.dumps(document))
+    (check,) = machine_check(bench, disk)
+    assert check.persist_cpu_s == pytest.approx(0.25) and "cpu_s_per_write" in check.persist_cpu_source
+    rows = {r.system: r for r in check.rows}
+    # 100 MB at 50 MB/s = 2 s, snapshot 20 ms, iteration 1 s
+    assert rows["torch-save-1"].predicted_ratio == pytest.approx(1 / (1 + 2.02))
+    assert rows["checkfreq-4"].predicted_ratio == pytest.approx(1 / (1 + (0.02 + 0.0 + 0.25) / 4))
+    assert rows["dcp-process-4"].writers == 3
+    assert rows["dcp-process-4"].predicted_ratio == pytest.approx(1 / (1 + (0.02 + (6.0 - 4.0) + 0.75) / 4))
+    assert "3 ranks each writing the whole state" in "\n".join(machine_markdown([check]))
+    # local storage: the buffered write's median time is the CPU; an older file without it: 0, said
+    run["storage"] = "local"
+    bench.write_text(json.dumps(document))
+    (check,) = machine_check(bench, disk)
+    assert check.persist_cpu_s == pytest.approx(0.11) and "buffered_s" in check.persist_cpu_source
+    del run["emulation"]
+    bench.write_text(json.dumps(document))
+    (check,) = machine_check(bench, disk)
+    assert check.persist_cpu_s == 0.0 and "not measured" in check.persist_cpu_source
+    # the clusters' projection never adds it (training runs on the GPUs there)
+    assert overhead("checkfreq", 4, 0.02, 1.0, 1.0) == pytest.approx(0.02 / 4)
 
 
 def test_docs_comparison_is_up_to_date(tmp_path: Path) -> None:

@@ -410,3 +410,17 @@ def test_the_workers_fall_back_to_where_the_shadows_persist(
     assert fallback() == str(run.snapshot_dir)
     run.shadows.snapshot_url = storage_url(SHADOW_SNAPSHOTS)
     assert fallback() == "nfs://10.0.8.1/checkpoints/shadows"
+
+
+@needs_server
+def test_the_storage_probe_reports_rates_and_its_own_cpu_per_write(served: Served) -> None:
+    """make bench's remote storage measurement: each write's wall time and the client's CPU time."""
+    from experiments.bench.storage_probe import probe
+
+    found = probe(served.url("probe"), 2 << 20, 2, timeout=20)
+    assert found["bytes"] == 2 << 20 and found["writes"] == 2
+    durable, cpu = found["durable_s"], found["cpu_s"]
+    assert isinstance(durable, list) and isinstance(cpu, list) and len(cpu) == 2
+    assert all(c > 0 for c in cpu) and 0 < float(found["cpu_s_per_write"]) <= max(cpu)  # type: ignore[arg-type]
+    assert float(found["durable_MBps"]) > 0  # type: ignore[arg-type]
+    assert not list((served.export_dir / "probe").iterdir())  # its files are removed
