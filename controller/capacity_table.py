@@ -234,7 +234,10 @@ def render_compare(shadow_bench: Path = DEFAULT_SHADOW_BENCH) -> str:
     for bench in (DEFAULT_BENCH, STORAGE_BENCH):
         if bench != DEFAULT_BENCH and not bench.is_file():
             continue
-        lines += [f"From `results/{bench.name}`:", ""]
+        lines += [
+            f"From `controller/measured/{bench.name}` (a copy of make bench's `results/{bench.name}`):",
+            "",
+        ]
         try:
             lines += machine_markdown(machine_check(bench))
         except CompareError as exc:

@@ -68,7 +68,7 @@ def _state_bytes(run: Mapping[str, Any]) -> tuple[float, str]:
     model = str(run.get("settings", {}).get("model", ""))
     match = re.search(r"~([\d.]+) MB of parameters \+ AdamW state", model)
     if match:
-        return float(match.group(1)) * 1e6, f"results/bench.json settings.model ({match.group(0)})"
+        return float(match.group(1)) * 1e6, f"bench.json settings.model ({match.group(0)})"
     if run.get("workload") == "tinylm":
         return 136960 * 12.0, "TinyLM's 136,960 parameters (experiments/tiny_lm.py) x 12 bytes (fp32 + AdamW)"
     raise CompareError(
