@@ -119,6 +119,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
 def resume(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,

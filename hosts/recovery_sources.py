@@ -36,6 +36,7 @@ from checkmate.network import Addr
 
 logger = logging.getLogger(__name__)
 
+
 class ResumeError(RuntimeError):
     """A certified state could not be fetched or does not fit the job; the message says why."""
 

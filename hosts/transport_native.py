@@ -57,6 +57,7 @@ class _Host(Protocol):
     def count(self, name: str, n: int = 1) -> None: ...
     def _handle_datagram(self, data: memoryview, addr: Addr) -> None: ...
 
+
 logger = logging.getLogger(__name__)
 
 EV_RAW, EV_DATA, EV_DONE, EV_FAIL, EV_TAP = range(5)

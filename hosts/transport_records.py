@@ -26,6 +26,7 @@ DataFieldsHandler = Callable[[tuple[int, ...], memoryview, Addr], None]
 """A DATA handler taking the header as :func:`checkmate.wire.decode_data`'s ints (no header object)."""
 FailureHandler = Callable[["PeerTimeoutError"], None]
 
+
 class PeerTimeoutError(TimeoutError):
     """A peer stopped answering: nothing acknowledged (or received) within the timeout."""
 
