@@ -203,6 +203,8 @@ class Snapshotter:
         self._closing = False
         self._status: tuple[str, bytes] | None = None
         """Remote: the node's newest status document (file name, bytes) not yet on the export."""
+        self._status_failing: str | None = None
+        """Remote: why the last status upload failed (None: it worked, or none was tried)."""
         self._cond = threading.Condition()
         self._last_iteration: int | None = None
         self._last_time = time.monotonic()
@@ -267,11 +269,22 @@ class Snapshotter:
         try:
             self.remote.write_file(name, document)
         except OSError as exc:
-            logger.warning("cannot put the status file %s on %s: %s", name, self.remote.url, exc)
-            with self._cond:  # not before the back-off, and not over a newer document
+            repeated = self._status_failing == str(exc)
+            self._status_failing = str(exc)
+            (logger.debug if repeated else logger.warning)(
+                "cannot put the status file %s on %s: %s", name, self.remote.url, exc
+            )
+            with self._cond:  # not before the back-off (which grows), and not over a newer document
                 self._retry_at = max(self._retry_at, time.monotonic() + self._retry_s)
-                if self._status is None:
+                self._retry_s = min(RETRY_MAX_S, 2 * self._retry_s)
+                if self._status is None and not self._closing:
                     self._status = pending
+            return
+        if self._status_failing is not None:
+            logger.info("the status file %s reaches %s again", name, self.remote.url)
+            self._status_failing = None
+            if not self.stats.failures_in_a_row:
+                self._retry_s = RETRY_FIRST_S
 
     def _stage_latest(self) -> None:
         """Copy the export's newest complete step into the local directory (replacing staged ones)."""
@@ -327,7 +340,8 @@ class Snapshotter:
                         self.stats.failing,
                     )
                     self._held.clear()
-                    self._status = None
+                if self._closing and (self.stats.failures_in_a_row or self._status_failing):
+                    self._status = None  # the storage is failing: closing does not wait on it again
                 held = bool(self._held)
                 steps = sorted(self._held)
             if not held:

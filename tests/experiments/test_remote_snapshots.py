@@ -362,6 +362,28 @@ def test_an_unreachable_server_is_said_and_the_shadow_goes_on(served: Served, tm
         RemoteRoot(url, timeout=3.0).complete_steps()
 
 
+@needs_server
+def test_a_status_the_storage_cannot_take_is_said_once_and_never_holds_up_close(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Status uploads to an unreachable server: one warning (repeats go to debug, with a growing
+    back-off), and at close a failing storage is not waited on again."""
+    url = f"nfs://{UNREACHABLE}{EXPORT_PSEUDO}/shadows"
+    writer = Snapshotter(policy(url, tmp_path, timeout=2.0))
+    caplog.set_level("DEBUG", logger="shadow.snapshots")
+    try:
+        writer.publish_status("status-sh1.json", b"{}")
+        wait_for(lambda: any("cannot put the status file" in r.getMessage() for r in caplog.records))
+        writer.publish_status("status-sh1.json", b'{"applied_iteration": 1}')
+    finally:
+        writer.close(timeout=30.0)
+    assert not writer._thread.is_alive()
+    said = [r for r in caplog.records if "cannot put the status file status-sh1.json" in r.getMessage()]
+    assert [r.levelname for r in said][:1] == ["WARNING"]
+    assert all(r.levelname == "DEBUG" for r in said[1:])
+    assert writer.stats.written == 0 and writer.stats.failed == 0  # a status is not a snapshot
+
+
 def test_the_bench_starts_shadows_persisting_to_the_url_with_their_status_kept_local(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
