@@ -16,7 +16,7 @@ from checkmate.job import JobSpec
 from checkmate.network import Network
 from checkmate.p4 import names
 from controller.controller import Controller
-from controller.job_registry_cli import lane_line, lane_summary
+from controller.job_registry_cli import lane_line, lane_summary, sizing_line
 from controller.job_secrets import JobSecretError, JobSecrets
 from controller.shadow_status import (
     ShadowStatus,
@@ -80,6 +80,8 @@ def show_job(
     print_job_line(record.spec, record.slot)
     if record.spec.tp_degree > 1:
         print("  " + lane_line(record.spec, {r.spec.job_id for r in ctl.jobs()}))
+    if record.spec.sizing_fields():
+        print("  " + sizing_line(record.spec))
     for (switch, port, shadow), group in sorted(record.groups.items()):
         rid = record.rids[(switch, shadow)]
         print(f"  {switch}: multicast group {group}: next hop port {port} + copy to {shadow} (rid {rid})")

@@ -34,6 +34,8 @@ def test_sized_jobs_added_or_refused_per_shadow(
     assert stored["parallelism"] == "fsdp2" and stored["model_params"] == 1_000_000_000
     text = ctl("job", "list")
     assert "  sized: fsdp2, 1,000,000,000 parameters, adamw, fp32 gradients, 32 GiB per shadow" in text
+    shown = ctl("job", "show", "7", "--no-shadows")  # job show says it too
+    assert "\n  sized: fsdp2, 1,000,000,000 parameters, adamw, fp32 gradients, 32 GiB per shadow\n" in shown
 
     def refused(*argv: str, message: str, status: int = 1) -> str:
         err = ctl(*argv, status=status)
