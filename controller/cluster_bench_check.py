@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,10 +59,10 @@ class MachineCheck:
     rows: tuple[MachineRow, ...]
     write_rate_source: str = "results/shadow_disk_bench.json, the nearest size, measured"
     storage: str = "local"
+    """Where the run's peers wrote: ``local`` (this machine's disk) or ``remote`` (the storage host)."""
     persist_cpu_s: float = 0.0
     """CPU seconds one checkpoint's write takes on the writer's CPU (0: not measured)."""
     persist_cpu_source: str = "not measured (an older bench.json): 0"
-    """Where the run's peers wrote: ``local`` (this machine's disk) or ``remote`` (the storage host)."""
 
 
 def _state_bytes(run: Mapping[str, Any]) -> tuple[float, str]:
@@ -85,6 +86,11 @@ def _write_rate(disk_bench: Mapping[str, Any], state_bytes: float) -> float:
     return float(best["bytes_written"]) / float(best["seconds_per_write"])
 
 
+def _storage(run: Mapping[str, Any]) -> str:
+    """Where a bench.json run's peers wrote (``local`` in files older than ``--storage``)."""
+    return str(run.get("storage") or run.get("settings", {}).get("storage") or "local")
+
+
 def _persist_cpu(run: Mapping[str, Any], state_bytes: float) -> tuple[float, str] | None:
     """CPU seconds of one checkpoint-sized write on the workers' CPU set, and where it is from.
 
@@ -94,7 +100,7 @@ def _persist_cpu(run: Mapping[str, Any], state_bytes: float) -> tuple[float, str
     another size than this checkpoint's.
     """
     emulation = run.get("emulation") or {}
-    key = "remote_storage" if (run.get("storage") or "local") == "remote" else "storage"
+    key = "remote_storage" if _storage(run) == "remote" else "storage"
     measured = emulation.get(key) or {}
     if not measured.get("bytes") or abs(math.log(float(measured["bytes"]) / state_bytes)) > math.log(2):
         return None
@@ -103,7 +109,7 @@ def _persist_cpu(run: Mapping[str, Any], state_bytes: float) -> tuple[float, str
         source = "bench.json emulation.remote_storage.cpu_s_per_write: the probe's CPU per write, measured"
     else:
         buffered = measured.get("buffered_s") or []
-        cpu = sorted(buffered)[len(buffered) // 2] if buffered else None
+        cpu = statistics.median(buffered) if buffered else None
         source = "bench.json emulation.storage.buffered_s: a page-cache write's time, which is CPU, measured"
     if not isinstance(cpu, (int, float)) or cpu < 0:
         return None
@@ -230,7 +236,7 @@ def machine_check(bench: Path = DEFAULT_BENCH, disk_bench: Path = DEFAULT_DISK_B
                 write_s,
                 tuple(rows),
                 rate_source,
-                str(run.get("storage") or run.get("settings", {}).get("storage") or "local"),
+                _storage(run),
                 persist_cpu,
                 persist_source,
             )
