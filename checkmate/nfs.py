@@ -36,6 +36,7 @@ the call ran that long, else as a lost connection, ``ECONNABORTED``).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import ctypes.util
@@ -50,6 +51,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,8 @@ WRITE_CHUNK = 8 << 20
 
 
 _GARBLED = re.compile(r'failed with "([\x01-\x7f])"$')
+_SERVER = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?")
+"""A host name or dotted IPv4 address: what :class:`NFSURL` accepts as SERVER."""
 
 
 class NFSError(OSError):
@@ -93,10 +97,31 @@ class NFSURL:
         export, _, path = rest.partition("/")
         if not server or not export:
             raise ValueError(f"an NFS URL names a server and an export (nfs://SERVER/EXPORT/PATH): {url!r}")
+        if not _SERVER.fullmatch(server):
+            raise ValueError(
+                f"an NFS URL's SERVER is a host name or an IPv4 address ({server!r} is not; the ports are "
+                f"fixed: NFS {NFS_PORT}, MOUNT {MOUNT_PORT}): {url!r}"
+            )
+        if "\x00" in rest:
+            raise ValueError(f"an NFS URL's path holds no NUL byte: {url!r}")
         return cls(server, "/" + export, "/" + path.strip("/"))
 
     def __str__(self) -> str:
         return f"{SCHEME}{self.server}{self.export}{self.path if self.path != '/' else ''}"
+
+
+def location_argument(text: str) -> Path | str:
+    """An ``argparse`` type for a directory that may be remote: a local ``Path``, or an NFS URL kept as text.
+
+    ``nfs:...`` must parse as ``nfs://SERVER/EXPORT/PATH`` (else a usage error naming the rule);
+    a ``Path`` would fold the URL's ``//``, so a URL stays text.
+    """
+    if text.startswith("nfs:"):
+        try:
+            return str(NFSURL.parse(text))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return Path(text)
 
 
 class _Stat64(ctypes.Structure):

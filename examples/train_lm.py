@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import hosts
+from checkmate import nfs
 from checkmate.checkpoint.digest import optimizer_digest, parameters_digest
 from experiments.tiny_lm import ModelConfig, TinyLM, TrainConfig, batch_for, cosine_lr, load_corpus, loss_of
 from hosts.recovery import ResumePoint, optimizer_states_by_name
@@ -76,7 +77,12 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get(RESUME_ENV, "") not in ("", "0"),
         help=f"restore the latest certified state first (also {RESUME_ENV}=1)",
     )
-    parser.add_argument("--snapshot-dir", type=Path, default=None, help="the shadows' snapshots (fallback)")
+    parser.add_argument(
+        "--snapshot-dir",
+        type=nfs.location_argument,
+        default=None,
+        help="the shadows' snapshots (fallback): a directory or nfs://SERVER/EXPORT/PATH",
+    )
     parser.add_argument("--restore-timeout", type=float, default=20.0, help="seconds to fetch the state")
 
 
@@ -118,16 +124,11 @@ def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--checkpoint-dir",
-        type=checkpoint_location,
+        type=nfs.location_argument,
         default=None,
         help="where checkpoints are written: a directory, or nfs://SERVER/EXPORT/PATH (an NFS export "
         "written through checkmate.nfs, the userspace client: this machine's kernel has no NFS client)",
     )
-
-
-def checkpoint_location(text: str) -> Path | str:
-    """A local directory (Path) or an NFS URL (str, kept as written)."""
-    return text if text.startswith("nfs://") else Path(text)
 
 
 class BaselineCheckpointer:
@@ -161,7 +162,6 @@ class BaselineCheckpointer:
         self._saves = 0
         self._group: Any = None
         if kind != "none" and isinstance(self.directory, str):
-            from checkmate import nfs
             from checkmate.nfs_fsspec import register
 
             register()  # DCP's FsspecWriter resolves nfs:// URLs
@@ -242,8 +242,6 @@ class BaselineCheckpointer:
     def _write(self, state: dict[str, Any], iteration: int, started: float) -> None:
         """Write a checkpoint: temporary file, fsync, rename (torch-save inline, checkfreq in its thread)."""
         if self._nfs is not None:
-            from checkmate import nfs
-
             path = f"{nfs.NFSURL.parse(str(self.directory)).path.rstrip('/')}/checkpoint.pt"
             nfs.write_atomically(self._nfs, path, lambda stream: torch.save(state, stream))
             self._done.append((iteration, started, time.time()))

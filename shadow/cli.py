@@ -67,19 +67,6 @@ def _shard_keys(text: str) -> str:
     return text
 
 
-def _snapshot_dir(text: str) -> Path | str:
-    """A local directory, or ``nfs://SERVER/EXPORT/PATH`` kept as text (a Path would fold its ``//``)."""
-    if text.startswith("nfs:"):
-        from checkmate.nfs import NFSURL
-
-        try:
-            NFSURL.parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-        return text
-    return Path(text)
-
-
 def _metrics_port(text: str) -> int:
     try:
         return int(parse_metrics_port(text, "--metrics-port") or 0)
@@ -133,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--snapshot-dir",
-        type=_snapshot_dir,
+        type=nfs.location_argument,
         default=None,
         help="where snapshots go: a directory, or remote storage as nfs://SERVER/EXPORT/PATH (NFSv3, "
         "written over the network; the status file and a staged --resume step then stay in a local "

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from checkmate import nfs
 from checkmate.checkpoint import storage
 from checkmate.checkpoint.export import export_dcp, export_deepspeed_universal, export_safetensors, reshard
 from checkmate.checkpoint.format import CheckpointError
@@ -170,7 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=help_text, description=help_text)
-        command.add_argument("root", help="checkpoint root (the folder holding step-* and latest)")
+        command.add_argument(
+            "root",
+            type=nfs.location_argument,
+            help="checkpoint root (the folder holding step-* and latest), or nfs://SERVER/EXPORT/PATH",
+        )
         command.add_argument("--step", type=int, default=None, help="step to use (default: newest complete)")
         return command
 

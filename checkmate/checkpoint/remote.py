@@ -72,9 +72,9 @@ def url_of(location: str | os.PathLike[str]) -> str | None:
     """The NFS URL ``location`` names (also the ``Path``-collapsed ``nfs:/SERVER/...`` form); None: local."""
     text = os.fspath(location)
     if text.startswith(SCHEME):
-        return text.rstrip("/")
-    if text.startswith(_COLLAPSED) and not text.startswith(SCHEME):
-        return (SCHEME + text[len(_COLLAPSED) :]).rstrip("/")
+        return SCHEME + text[len(SCHEME) :].rstrip("/")
+    if text.startswith(_COLLAPSED):
+        return SCHEME + text[len(_COLLAPSED) :].rstrip("/")
     return None
 
 

@@ -85,6 +85,51 @@ def test_the_shadow_cli_keeps_a_url_and_refuses_a_malformed_one() -> None:
         build_parser().parse_args([*base, "--snapshot-dir", "nfs://10.0.8.1"])
 
 
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("nfs://", "names a server and an export"),
+        ("nfs://10.0.8.1", "names a server and an export"),
+        ("nfs:///checkpoints/shadows", "names a server and an export"),
+        ("nfs://10.0.8.1:2049/checkpoints", "host name or an IPv4 address"),
+        ("nfs://a b/checkpoints", "host name or an IPv4 address"),
+        ("nfs://-x/checkpoints", "host name or an IPv4 address"),
+        ("nfs://10.0.8.1/checkpoints/a\x00b", "NUL"),
+    ],
+)
+def test_every_command_refuses_a_malformed_url_before_it_connects(
+    url: str, words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each entry point that takes a remote directory answers a bad URL with a usage error naming the rule."""
+    from checkmate.checkpoint.cli import build_parser as ckpt_parser
+    from examples.train_lm import build_parser as train_parser
+    from shadow.cli import _parser as shadow_parser
+
+    with pytest.raises(ValueError, match=words):
+        nfs.NFSURL.parse(url)
+    for parse in (
+        lambda: ckpt_parser().parse_args(["verify", url]),
+        lambda: shadow_parser().parse_args(["run", "--name", "sh1", "--snapshot-dir", url]),
+        lambda: train_parser().parse_args(["--checkpoint", "torch-save", "--checkpoint-dir", url]),
+        lambda: train_parser().parse_args(["--snapshot-dir", url]),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            parse()
+        assert exited.value.code == 2
+        assert words in capsys.readouterr().err
+
+
+def test_a_url_keeps_its_server_and_export_and_a_directory_stays_a_path() -> None:
+    assert (
+        nfs.location_argument("nfs://storage-1.example/checkpoints/run/")
+        == "nfs://storage-1.example/checkpoints/run"
+    )
+    assert nfs.location_argument("nfs://10.0.8.1/checkpoints") == "nfs://10.0.8.1/checkpoints"
+    assert nfs.location_argument("snaps/run 1") == Path("snaps/run 1")
+    assert nfs.NFSURL.parse("nfs://h/e/with space/x").path == "/with space/x"
+    assert url_of("nfs://") == "nfs://"  # not the local directory "nfs:"
+
+
 class _Library:
     """libnfs's error for a call, as the client reads it."""
 
