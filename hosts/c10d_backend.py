@@ -67,6 +67,7 @@ import torch.distributed as dist
 
 from checkmate.auth import AuthConfigError, secret_from_env
 from hosts.c10d_flows import FlowCollectives
+from hosts.c10d_liveness import StoreLiveness
 from hosts.c10d_sharded import ShardedProtection, ring_op
 from hosts.c10d_work import (
     BACKEND_NAME,
@@ -120,7 +121,8 @@ class CheckmateBackendOptions:
     datapath: str | None = None
     """``"native"`` or ``"python"`` (None: ``CHECKMATE_TRANSPORT``, default native)."""
     peer_timeout: float = 30.0
-    """Seconds without acknowledgements before a peer is declared dead (its collectives fail)."""
+    """Seconds without acknowledgements, or without a heartbeat in the store while a collective waits
+    (:mod:`hosts.c10d_liveness`), before a peer is declared dead (its collectives fail)."""
     faults: FaultConfig = field(default_factory=FaultConfig)
     """Injected datagram loss, duplication, reordering (tests; :class:`hosts.faults.FaultConfig`)."""
 
@@ -195,6 +197,7 @@ class CheckmateProcessGroup(dist.ProcessGroup):
         self.peers: tuple[Addr, ...] = ()
         self._flows = FlowCollectives(rank, world_size, self._timeout)
         self._sharded = ShardedProtection(rank, world_size, self._flows)
+        self._liveness: StoreLiveness | None = None
         if world_size == 1:
             return
         assert options.bind is not None  # resolved() looks it up for every group of several ranks
@@ -241,6 +244,11 @@ class CheckmateProcessGroup(dist.ProcessGroup):
             self.transport.close()
             raise
         flows.start_watch()
+        sharded = self._sharded
+        self._liveness = StoreLiveness(
+            store, rank, self.peers, job_id, options.peer_timeout, flows, lambda: sharded.ring
+        )
+        self._liveness.start()
         _live.add(self)
         logger.info(
             "checkmate backend: rank %d/%d on %s:%d (%s), job %d%s",
@@ -527,6 +535,8 @@ class CheckmateProcessGroup(dist.ProcessGroup):
         """Stop this rank's ring and transport (pending collectives fail); idempotent."""
         if not self._flows.close(CheckmateBackendError("the checkmate process group was shut down")):
             return
+        if self._liveness is not None:
+            self._liveness.close()
         if self.transport is not None:
             self.transport.wait_idle(drain_timeout)
             self._sharded.close()

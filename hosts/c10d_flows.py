@@ -275,6 +275,11 @@ class FlowCollectives:
         for record in records:
             record.future.set_exception(error)
 
+    def waiting_since(self) -> float | None:
+        """When the oldest flow collective still running started (monotonic); None when none runs."""
+        with self._lock:
+            return min((r.deadline - self._timeout for r in self._ops.values() if not r.done), default=None)
+
     def on_peer_failure(self, error: PeerTimeoutError) -> None:
         with self._lock:
             if self._failed is None:

@@ -141,7 +141,7 @@ class RingAllReduce:
                 peers,
                 on_data=self._on_data,
                 on_request=self._on_repair_request,
-                on_failure=self._on_peer_failure,
+                on_failure=self.fail,
                 on_data_fields=self._on_fields,
             )
         except BaseException:
@@ -520,9 +520,16 @@ class RingAllReduce:
                 record.failed = True
                 record.future.set_exception(error)  # type: ignore[arg-type]
 
-    def _on_peer_failure(self, error: PeerTimeoutError) -> None:
+    def fail(self, error: PeerTimeoutError) -> None:
+        """Fail the running all-reduces and every later one (the transport's or the backend's dead peer)."""
         with self._lock:
             self._fail_all_locked(error)
+
+    def waiting_since(self) -> float | None:
+        """When the oldest all-reduce still running started (monotonic); None when none runs."""
+        with self._lock:
+            running = [v.deadline for v in self._ops.values() if not v.done and not v.failed]
+        return min(running) - self.config.timeout if running else None
 
     def _watch(self) -> None:
         """Fail the ops past their deadline; sleeps until the earliest running op's deadline."""
