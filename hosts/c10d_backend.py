@@ -45,20 +45,18 @@ The parts, components the group composes and calls through their methods (each o
 docs/architecture.md, "The host agent"): :class:`~hosts.c10d_flows.FlowCollectives` (the flow
 collectives' messages, receive side, deadlines, and the group's failed and closed state, under its
 lock, with its watch thread), :class:`~hosts.c10d_sharded.ShardedProtection` (the ring: the
-backend's all-reduces, the hand-over to a sharded job's agent, the protected reduce-scatters);
-:mod:`hosts.c10d_work` has the Work objects.
+backend's all-reduces, the hand-over to a sharded job's agent, the protected reduce-scatters),
+:class:`~hosts.c10d_liveness.StoreLiveness` (the heartbeat in the store that finds a dead rank);
+:mod:`hosts.c10d_work` has the Work objects, :mod:`hosts.c10d_options` the options.
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import os
-import socket
 import weakref
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -68,6 +66,7 @@ import torch.distributed as dist
 from checkmate.auth import AuthConfigError, secret_from_env
 from hosts.c10d_flows import FlowCollectives
 from hosts.c10d_liveness import StoreLiveness
+from hosts.c10d_options import BIND_ENV, CheckmateBackendOptions
 from hosts.c10d_sharded import ShardedProtection, ring_op
 from hosts.c10d_work import (
     BACKEND_NAME,
@@ -77,13 +76,13 @@ from hosts.c10d_work import (
     from_bytes,
     unsupported,
 )
-from hosts.faults import FaultConfig
 from hosts.ring_allreduce import RingAllReduce
 from hosts.ring_config import ReduceOp, RingConfig
-from hosts.transport import Addr, Transport, TransportConfig, datapath_from_env, resolve
+from hosts.transport import Addr, Transport, TransportConfig, resolve
 
 __all__ = [
     "BACKEND_NAME",
+    "BIND_ENV",
     "CheckmateBackendError",
     "CheckmateBackendOptions",
     "CheckmateProcessGroup",
@@ -92,71 +91,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-BIND_ENV = "CHECKMATE_BACKEND_BIND"
 _RING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FLOW_JOB_OFFSET = 1 << 31
 """The flows job (gathers, broadcasts, reduce-scatters) is the ring's job id + 2**31 (mod 2**32)."""
-
-
-@dataclass(frozen=True)
-class CheckmateBackendOptions:
-    """Optional settings, passed as ``init_process_group(..., pg_options=CheckmateBackendOptions(...))``.
-
-    Every field has an environment default, so a plain ``backend="checkmate"`` needs none: the
-    creator (:func:`create_checkmate_backend`) fills the unset ones once (:meth:`resolved`).
-    """
-
-    bind: str | tuple[str, int] | None = None
-    """This rank's transport address (``"ip"`` or ``"ip:port"``; port 0 or none: any free port).
-    None: ``CHECKMATE_BACKEND_BIND``, else ``CHECKMATE_BIND``'s IP on a free port (the agent of
-    :func:`hosts.enable_checkmate` keeps that address's own port), else the local IP that routes to
-    ``MASTER_ADDR``."""
-    job_id: int | None = None
-    """The ring's job id (None: ``CHECKMATE_JOB_ID``, else 1); with ``tag=True`` the one the switch
-    and shadows know."""
-    secret: bytes | None = field(default=None, repr=False)
-    """The job secret (None: the creator's :func:`checkmate.auth.secret_from_env`)."""
-    tag: bool = False
-    """Tag the all-reduce's fully reduced chunks (REPLICATE, switch mode) as the DDP hook's ring does."""
-    datapath: str | None = None
-    """``"native"`` or ``"python"`` (None: ``CHECKMATE_TRANSPORT``, default native)."""
-    peer_timeout: float = 30.0
-    """Seconds without acknowledgements, or without a heartbeat in the store while a collective waits
-    (:mod:`hosts.c10d_liveness`), before a peer is declared dead (its collectives fail)."""
-    faults: FaultConfig = field(default_factory=FaultConfig)
-    """Injected datagram loss, duplication, reordering (tests; :class:`hosts.faults.FaultConfig`)."""
-
-    def resolved(self, env: Mapping[str, str], secret: bytes, world_size: int) -> CheckmateBackendOptions:
-        """These options with every unset field taken from ``env`` (the creator's one read of the
-        environment) and the job ``secret`` its entry point read; the bind address is looked up only
-        for a group of more than one rank (a lone rank starts no transport)."""
-        job_id = self.job_id if self.job_id is not None else int(env.get("CHECKMATE_JOB_ID", "1"))
-        return dataclasses.replace(
-            self,
-            bind=self.bind if world_size == 1 else _bind_address(self.bind, env),
-            job_id=job_id,
-            secret=secret,
-            datapath=self.datapath or datapath_from_env(env),
-        )
-
-
-def _local_address_towards(host: str) -> str:
-    """The local IP the kernel routes to ``host`` from (no datagram is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((socket.gethostbyname(host), 9))
-        return str(probe.getsockname()[0])
-
-
-def _bind_address(bind: str | tuple[str, int] | None, env: Mapping[str, str]) -> Addr:
-    """The transport's address: ``bind``, else ``env``'s ``CHECKMATE_BACKEND_BIND`` / ``CHECKMATE_BIND``'s IP,
-    else the local IP routing to ``MASTER_ADDR`` (port 0: any free port)."""
-    if bind is not None:
-        return resolve(bind, default_port=0)
-    if env.get(BIND_ENV):
-        return resolve(env[BIND_ENV], default_port=0)
-    if env.get("CHECKMATE_BIND"):
-        return (resolve(env["CHECKMATE_BIND"])[0], 0)
-    return (_local_address_towards(env.get("MASTER_ADDR", "127.0.0.1")), 0)
 
 
 class CheckmateProcessGroup(dist.ProcessGroup):
