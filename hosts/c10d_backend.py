@@ -177,15 +177,16 @@ class CheckmateProcessGroup(dist.ProcessGroup):
             # no rank sends before every rank accepts its jobs (else its first datagrams wait for an RTO)
             store.set(f"checkmate/ready/{rank}", "1")
             store.wait([f"checkmate/ready/{r}" for r in range(world_size)])
+            sharded = self._sharded
+            liveness = StoreLiveness(
+                store, rank, self.peers, job_id, options.peer_timeout, flows, lambda: sharded.ring
+            )
+            liveness.start()  # its first beat is a store call: a store that fails it fails the group here
         except BaseException:
             self.transport.close()
             raise
+        self._liveness = liveness
         flows.start_watch()
-        sharded = self._sharded
-        self._liveness = StoreLiveness(
-            store, rank, self.peers, job_id, options.peer_timeout, flows, lambda: sharded.ring
-        )
-        self._liveness.start()
         _live.add(self)
         logger.info(
             "checkmate backend: rank %d/%d on %s:%d (%s), job %d%s",
